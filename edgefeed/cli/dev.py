@@ -14,13 +14,15 @@ from edgefeed.devstack import DevStack, ServiceStatus
 
 __all__ = ["register"]
 
-dev_app = typer.Typer(help="Run the local stack: real services on loopback, no Docker.",
-                      no_args_is_help=True)
+dev_app = typer.Typer(
+    help="Run the local stack: real services on loopback, no Docker.", no_args_is_help=True
+)
 
 StateDir = Annotated[
     Path,
-    typer.Option("--state-dir", envvar="EDGEFEED_STATE_DIR",
-                 help="Folder for pid files, logs and data."),
+    typer.Option(
+        "--state-dir", envvar="EDGEFEED_STATE_DIR", help="Folder for pid files, logs and data."
+    ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
@@ -30,7 +32,7 @@ def _stack(ctx: typer.Context, state_dir: Path) -> DevStack:
     return run_reported(lambda: DevStack(settings, state_dir))
 
 
-def _print_status(statuses: list[ServiceStatus], as_json: bool) -> None:
+def print_status(statuses: list[ServiceStatus], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps([s.as_dict() for s in statuses], indent=2))
         return
@@ -39,8 +41,14 @@ def _print_status(statuses: list[ServiceStatus], as_json: bool) -> None:
         table.add_column(column)
     colours = {"running": "green", "unhealthy": "yellow", "stopped": "red"}
     for s in statuses:
-        table.add_row(s.name, s.kind, str(s.port), str(s.pid or "-"),
-                      f"[{colours[s.state]}]{s.state}[/]", s.detail)
+        table.add_row(
+            s.name,
+            s.kind,
+            str(s.port),
+            str(s.pid or "-"),
+            f"[{colours[s.state]}]{s.state}[/]",
+            s.detail,
+        )
     console.print(table)
 
 
@@ -56,25 +64,27 @@ def up(
     if not as_json:
         console.print(f"starting the local stack in {stack.state_dir} ...")
     statuses = run_reported(lambda: stack.up(timeout_s=timeout))
-    _print_status(statuses, as_json)
+    print_status(statuses, as_json)
     if any(s.state != "running" for s in statuses):
         raise typer.Exit(EXIT_ERROR)
 
 
 @dev_app.command("status")
-def status(ctx: typer.Context, state_dir: StateDir = Path(".edgefeed"),
-           as_json: JsonFlag = False) -> None:
+def status(
+    ctx: typer.Context, state_dir: StateDir = Path(".edgefeed"), as_json: JsonFlag = False
+) -> None:
     """Show each service's state; exits 1 unless all are running and healthy."""
     stack = _stack(ctx, state_dir)
     statuses = stack.status()
-    _print_status(statuses, as_json)
+    print_status(statuses, as_json)
     if any(s.state != "running" for s in statuses):
         raise typer.Exit(EXIT_ERROR)
 
 
 @dev_app.command("down")
-def down(ctx: typer.Context, state_dir: StateDir = Path(".edgefeed"),
-         as_json: JsonFlag = False) -> None:
+def down(
+    ctx: typer.Context, state_dir: StateDir = Path(".edgefeed"), as_json: JsonFlag = False
+) -> None:
     """Stop every process the stack started (and only those)."""
     stack = _stack(ctx, state_dir)
     outcome = stack.down()

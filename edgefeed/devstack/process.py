@@ -28,6 +28,11 @@ __all__ = [
 ]
 
 
+# Processes started by this interpreter, kept so they can be reaped (waited for)
+# when stopped; otherwise they would linger as zombies, and Popen would warn.
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class PidRecord:
     """What a pid file holds about one process we started."""
@@ -76,11 +81,15 @@ def spawn(
             start_new_session=True,
             user=user,
         )
+    _children[proc.pid] = proc
     ticks = _start_ticks(proc.pid)
     record = PidRecord(proc.pid, ticks if ticks is not None else -1, tuple(argv))
     tmp = pid_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": record.pid, "start_ticks": record.start_ticks,
-                               "argv": list(record.argv)}))
+    tmp.write_text(
+        json.dumps(
+            {"pid": record.pid, "start_ticks": record.start_ticks, "argv": list(record.argv)}
+        )
+    )
     tmp.replace(pid_path)
     return record
 
@@ -104,6 +113,7 @@ def stop_pid(
         (or the pid now belongs to someone else, who is left alone).
     """
     if not record.alive():
+        _reap(record.pid)
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(record.pid, sig)
@@ -122,8 +132,10 @@ def stop_pid(
 
 def _reap(pid: int) -> None:
     # A process started by this very interpreter stays a zombie until waited for.
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
+    proc = _children.pop(pid, None)
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1)
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -137,9 +149,7 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def wait_until(
-    predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.1
-) -> bool:
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.1) -> bool:
     """Poll ``predicate`` until it is true or ``timeout_s`` passes; returns the last result."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
+_PROVIDERS = "org.apache.kafka.common.config.provider"
 
 
 @dataclass(slots=True)
@@ -119,10 +120,14 @@ class BrokerService(Service):
         return [
             binaries.tansu_binary(),
             "broker",
-            "--listener-url", url,
-            "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
-            "--cluster-id", "edgefeed-dev",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+            "--cluster-id",
+            "edgefeed-dev",
         ]
 
     def env(self) -> dict[str, str]:
@@ -147,19 +152,29 @@ class RedisService(Service):
     def argv(self) -> list[str]:
         argv = [
             binaries.redis_server_binary(),
-            "--port", str(self.port),
-            "--bind", LOOPBACK,
-            "--dir", str(self.home),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--protected-mode", "yes",
+            "--port",
+            str(self.port),
+            "--bind",
+            LOOPBACK,
+            "--dir",
+            str(self.home),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
         ]
         if self.cluster:
             argv += [
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", str(self.home / "nodes.conf"),
-                "--cluster-node-timeout", "2000",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.home / "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
             ]
         return argv
 
@@ -235,8 +250,10 @@ class PostgresService(Service):
         pwfile = self.home / "pwfile"
         argv = [
             str(binaries.postgres_bindir() / "initdb"),
-            "-D", str(self.data_dir),
-            "-U", self.superuser,
+            "-D",
+            str(self.data_dir),
+            "-U",
+            self.superuser,
             "--encoding=UTF8",
             "--locale=C",
             "--no-sync",
@@ -278,8 +295,12 @@ class PostgresService(Service):
 
     def _connect(self, dbname: str) -> psycopg.Connection[tuple[object, ...]]:
         return psycopg.connect(
-            host=str(self.socket_dir), port=self.port, dbname=dbname, user=self.superuser,
-            connect_timeout=2, autocommit=True,
+            host=str(self.socket_dir),
+            port=self.port,
+            dbname=dbname,
+            user=self.superuser,
+            connect_timeout=2,
+            autocommit=True,
         )
 
     def probe(self) -> str | None:
@@ -299,7 +320,9 @@ class PostgresService(Service):
             ).fetchone()
             if exists is None:
                 conn.execute(
-                    psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(self.dbname))
+                    psycopg.sql.SQL("CREATE DATABASE {}").format(
+                        psycopg.sql.Identifier(self.dbname)
+                    )
                 )
 
 
@@ -344,8 +367,8 @@ class ConnectService(Service):
             "consumer.enable.metrics.push": "false",
             "admin.enable.metrics.push": "false",
             "config.providers": "env,file",
-            "config.providers.env.class": "org.apache.kafka.common.config.provider.EnvVarConfigProvider",
-            "config.providers.file.class": "org.apache.kafka.common.config.provider.FileConfigProvider",
+            "config.providers.env.class": f"{_PROVIDERS}.EnvVarConfigProvider",
+            "config.providers.file.class": f"{_PROVIDERS}.FileConfigProvider",
         }
         (self.home / "worker.properties").write_text(
             "".join(f"{key}={value}\n" for key, value in props.items())
@@ -369,7 +392,8 @@ class ConnectService(Service):
             "-XX:+UseSerialGC",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile=file:{self.home / 'log4j2.properties'}",
-            "-cp", classpath,
+            "-cp",
+            classpath,
             "org.apache.kafka.connect.cli.ConnectDistributed",
             str(self.home / "worker.properties"),
         ]

@@ -101,9 +101,8 @@ class DevStack:
         self.state_dir = Path(state_dir).resolve()
         self.redis_cluster_ports = tuple(redis_cluster_ports)
         if self.redis_cluster_ports and len(self.redis_cluster_ports) < 3:
-            raise DevStackError(
-                f"a Redis Cluster needs at least 3 nodes, got ports {list(self.redis_cluster_ports)}"
-            )
+            ports = list(self.redis_cluster_ports)
+            raise DevStackError(f"a Redis Cluster needs at least 3 nodes, got ports {ports}")
         planned = self._plan(with_connect)
         if only is not None:
             names = {service.name for service in planned}
@@ -127,15 +126,25 @@ class DevStack:
         host, _, port = bootstrap.rpartition(":")
         _loopback(host, "kafka.bootstrap_servers", bootstrap)
         services.append(
-            BrokerService("broker", int(port), "kafka.bootstrap_servers", self._home("broker"),
-                          start_timeout_s=30)
+            BrokerService(
+                "broker",
+                int(port),
+                "kafka.bootstrap_servers",
+                self._home("broker"),
+                start_timeout_s=30,
+            )
         )
         db = settings.database
         _loopback(db.host, "database.host", db.host)
         services.append(
             PostgresService(
-                "postgres", db.port, "database.port", self._home("postgres"),
-                dbname=db.dbname, superuser=db.user, password=db.password.get_secret_value(),
+                "postgres",
+                db.port,
+                "database.port",
+                self._home("postgres"),
+                dbname=db.dbname,
+                superuser=db.user,
+                password=db.password.get_secret_value(),
                 start_timeout_s=60,
             )
         )
@@ -143,22 +152,36 @@ class DevStack:
             rhost, rport = url_port(region.redis_url, 6379)
             _loopback(rhost, f"regions[{region.name}].redis_url", region.redis_url)
             services.append(
-                RedisService(f"redis-{region.name}", rport, f"regions[{region.name}].redis_url",
-                             self._home(f"redis-{region.name}"), start_timeout_s=20)
+                RedisService(
+                    f"redis-{region.name}",
+                    rport,
+                    f"regions[{region.name}].redis_url",
+                    self._home(f"redis-{region.name}"),
+                    start_timeout_s=20,
+                )
             )
         for index, cport in enumerate(self.redis_cluster_ports, start=1):
             services.append(
-                RedisService(f"redis-cluster-{index}", cport, "redis_cluster_ports",
-                             self._home(f"redis-cluster-{index}"), start_timeout_s=20,
-                             cluster=True)
+                RedisService(
+                    f"redis-cluster-{index}",
+                    cport,
+                    "redis_cluster_ports",
+                    self._home(f"redis-cluster-{index}"),
+                    start_timeout_s=20,
+                    cluster=True,
+                )
             )
         if with_connect:
             chost, cport = url_port(settings.connect.url, 8083)
             _loopback(chost, "connect.url", settings.connect.url)
             services.append(
                 ConnectService(
-                    "connect", cport, "connect.url", self._home("connect"),
-                    start_timeout_s=120, depends_on=("broker",),
+                    "connect",
+                    cport,
+                    "connect.url",
+                    self._home("connect"),
+                    start_timeout_s=120,
+                    depends_on=("broker",),
                     bootstrap=f"127.0.0.1:{port}",
                 )
             )
@@ -277,9 +300,19 @@ class DevStack:
             return
         nodes = [f"127.0.0.1:{port}" for port in self.redis_cluster_ports]
         result = subprocess.run(
-            [binaries.redis_cli_binary(), "--cluster", "create", *nodes,
-             "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60, check=False,
+            [
+                binaries.redis_cli_binary(),
+                "--cluster",
+                "create",
+                *nodes,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
         if result.returncode != 0:
             raise ServiceStartError(f"redis-cli --cluster create failed: {result.stdout[-800:]}")
@@ -313,8 +346,15 @@ class DevStack:
                 state = "unhealthy" if problem else "running"
                 detail = problem or "healthy"
             statuses.append(
-                ServiceStatus(service.name, service.kind, service.port, state, pid, detail,
-                              self.log_path(service.name))
+                ServiceStatus(
+                    service.name,
+                    service.kind,
+                    service.port,
+                    state,
+                    pid,
+                    detail,
+                    self.log_path(service.name),
+                )
             )
         return statuses
 
