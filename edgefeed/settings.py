@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from connectors.settings import ConnectSettings, DatabaseSettings
+from connectors.settings import ConnectSettings, DatabaseSettings, SourceSettings
 from edge_cache.settings import RegionSettings
 from edgefeed.errors import EdgefeedError
 
@@ -94,6 +94,7 @@ class EdgefeedSettings(BaseSettings):
     connect: ConnectSettings = Field(default_factory=ConnectSettings)
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     regions: list[RegionSettings] = Field(min_length=1)
+    sources: list[SourceSettings] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _regions_consistent(self) -> EdgefeedSettings:
@@ -112,7 +113,23 @@ class EdgefeedSettings(BaseSettings):
                     )
                 if other == region.name:
                     raise ValueError(f"region {region.name!r} lists itself in its failover")
+        source_names = [source.name for source in self.sources]
+        for name in set(source_names):
+            if source_names.count(name) > 1:
+                raise ValueError(f"source {name!r} is declared twice; source names must be unique")
         return self
+
+    def source(self, name: str) -> SourceSettings:
+        """The source called ``name``.
+
+        Raises:
+            SettingsError: no such source; the message lists the declared ones.
+        """
+        for source in self.sources:
+            if source.name == name:
+                return source
+        declared = ", ".join(s.name for s in self.sources) or "(none)"
+        raise SettingsError(f"source {name!r} not in sources: {declared}")
 
     def region(self, name: str) -> RegionSettings:
         """The region called ``name``.
