@@ -47,7 +47,5 @@ class RegionSettings(BaseModel):
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
         if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(
-                f"redis_url {value!r} must start with redis://, rediss:// or unix://"
-            )
+            raise ValueError(f"redis_url {value!r} must start with redis://, rediss:// or unix://")
         return value

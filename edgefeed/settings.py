@@ -215,14 +215,20 @@ def load_settings(
             f"{SETTINGS_ENV_VAR}, or copy examples/edgefeed.yaml"
         ) from None
     except OSError as exc:
-        raise SettingsError(f"cannot read settings file {str(settings_path)!r}: {exc.strerror}") from None
+        raise SettingsError(
+            f"cannot read settings file {str(settings_path)!r}: {exc.strerror}"
+        ) from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise SettingsError(f"settings file {str(settings_path)!r} is not valid YAML: {exc}") from None
+        raise SettingsError(
+            f"settings file {str(settings_path)!r} is not valid YAML: {exc}"
+        ) from None
     if not isinstance(raw, dict):
         raise SettingsError(
             f"settings file {str(settings_path)!r} must hold a mapping at the top level "
             "(kafka:, connect:, database:, regions:)"
         )
-    return settings_from_mapping(expand_env(raw, env), source=f"settings file {str(settings_path)!r}")
+    return settings_from_mapping(
+        expand_env(raw, env), source=f"settings file {str(settings_path)!r}"
+    )
