@@ -269,7 +269,7 @@ class FeatureWriter:
     def _run(self, encoded: list[tuple[str, bytes, int]]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for key, value, ttl_ms in encoded:
-            pipe.evalsha(WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
+            pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
         try:
             return list(pipe.execute(raise_on_error=False))
         except NoScriptError as exc:  # cluster pipelines raise instead of returning
@@ -357,7 +357,7 @@ class AsyncFeatureWriter:
     async def _run(self, encoded: list[tuple[str, bytes, int]]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for key, value, ttl_ms in encoded:
-            pipe.evalsha(WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
+            pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
         try:
             return list(await pipe.execute(raise_on_error=False))
         except NoScriptError as exc:
