@@ -33,7 +33,7 @@ from edge_cache.exceptions import (
     UnknownFeatureError,
 )
 from edge_cache.layout import Decoded, KeyLayout, RecordReader
-from edge_cache.metrics import FALLBACKS, LOOKUP_ROWS, LOOKUP_SECONDS, REGION_FAILURES
+from edge_cache.metrics import FALLBACKS, LOOKUP_ROWS, LOOKUP_SECONDS, NEAR_ROWS, REGION_FAILURES
 from edge_cache.nearcache import InvalidationListener, NearCache, NearCacheConfig
 from edge_cache.result import FeatureVectors, Projection, build_vectors
 from edge_cache.schema import FeatureSchema
@@ -68,7 +68,7 @@ class _Metrics:
     def __init__(self, region: str, entity: str) -> None:
         self.latency = LOOKUP_SECONDS.labels(region, entity)
         self.hit = LOOKUP_ROWS.labels(region, entity, "hit")
-        self.near = LOOKUP_ROWS.labels(region, entity, "near_hit")
+        self.near = NEAR_ROWS.labels(region, entity)
         self.miss = LOOKUP_ROWS.labels(region, entity, "miss")
         self.stale = LOOKUP_ROWS.labels(region, entity, "stale")
         self.fallback: dict[str, Any] = {}
@@ -229,8 +229,8 @@ class LookupCore:
         n = len(plan.ids)
         found = int(result.found.sum())
         stale = int(result.stale.sum())
-        if found - result.near_hits:
-            metrics.hit.inc(found - result.near_hits)
+        if found:
+            metrics.hit.inc(found)
         if result.near_hits:
             metrics.near.inc(result.near_hits)
         if n - found - stale:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-__all__ = ["FALLBACKS", "LOOKUP_ROWS", "LOOKUP_SECONDS", "REGION_FAILURES"]
+__all__ = ["FALLBACKS", "LOOKUP_ROWS", "LOOKUP_SECONDS", "NEAR_ROWS", "REGION_FAILURES"]
 
 LOOKUP_SECONDS = Histogram(
     "edgefeed_lookup_seconds",
@@ -17,9 +17,14 @@ LOOKUP_SECONDS = Histogram(
 )
 LOOKUP_ROWS = Counter(
     "edgefeed_lookup_rows",
-    "Entities looked up, by outcome: hit (served from Redis), near_hit (served from the "
-    "in-process near cache), miss (no vector), stale (vector older than max_staleness).",
+    "Entities looked up, by outcome: hit (vector served), miss (no vector), stale (vector "
+    "older than max_staleness, withheld).",
     ["region", "entity", "outcome"],
+)
+NEAR_ROWS = Counter(
+    "edgefeed_lookup_near_cache_rows",
+    "Entities answered from the in-process near cache (found or known absent) instead of Redis.",
+    ["region", "entity"],
 )
 FALLBACKS = Counter(
     "edgefeed_lookup_fallbacks",

@@ -123,7 +123,8 @@ class FeatureVectors:
             (its values are withheld).
         commit_time: Per row, source commit time (``datetime64[us]``, UTC; NaT if absent).
         write_time: Per row, cache write time (``datetime64[us]``, UTC; NaT if absent).
-        near_hits: How many rows came from the in-process near cache.
+        near_hits: How many rows were answered by the in-process near cache (found or
+            known absent).
     """
 
     entity: str
