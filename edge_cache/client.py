@@ -33,7 +33,7 @@ from edge_cache.exceptions import (
     UnknownFeatureError,
 )
 from edge_cache.layout import Decoded, KeyLayout, RecordReader
-from edge_cache.metrics import FALLBACKS, LOOKUP_ROWS, LOOKUP_SECONDS, NEAR_ROWS, REGION_FAILURES
+from edge_cache.metrics import STATS
 from edge_cache.nearcache import InvalidationListener, NearCache, NearCacheConfig
 from edge_cache.result import FeatureVectors, Projection, build_vectors
 from edge_cache.schema import FeatureSchema
@@ -60,18 +60,6 @@ class _Plan:
     ids: tuple[Any, ...]
     keys: list[str]
     max_staleness_us: int | None
-
-
-class _Metrics:
-    __slots__ = ("fallback", "hit", "latency", "miss", "near", "stale")
-
-    def __init__(self, region: str, entity: str) -> None:
-        self.latency = LOOKUP_SECONDS.labels(region, entity)
-        self.hit = LOOKUP_ROWS.labels(region, entity, "hit")
-        self.near = NEAR_ROWS.labels(region, entity)
-        self.miss = LOOKUP_ROWS.labels(region, entity, "miss")
-        self.stale = LOOKUP_ROWS.labels(region, entity, "stale")
-        self.fallback: dict[str, Any] = {}
 
 
 def _seconds(value: float | timedelta | None, what: str) -> float | None:
@@ -122,7 +110,6 @@ class LookupCore:
         if not self.readers:
             raise ConfigError("a FeatureClient needs at least one FeatureSchema")
         self._projections: dict[tuple[str, tuple[str, ...] | None], Projection] = {}
-        self._metrics: dict[tuple[str, str], _Metrics] = {}
         self._routes: dict[bool, tuple[list[str], list[tuple[str, str]]]] = {}
         for personal in (False, True):
             self._routes[personal] = self._route(personal)
@@ -212,9 +199,8 @@ class LookupCore:
             ids=plan.ids,
             region=region,
             projection=plan.projection,
-            records=decoded.records,
-            rows=decoded.rows,
-            now_us=time.time_ns() // 1000,
+            decoded=decoded,
+            now_us=time.time_ns() // 1000 if plan.max_staleness_us is not None else 0,
             max_staleness_us=plan.max_staleness_us,
             near_hits=near_hits,
         )
@@ -222,31 +208,19 @@ class LookupCore:
     def record(self, plan: _Plan, result: FeatureVectors, started: float) -> None:
         """Update the metrics of one served call."""
         entity = plan.schema.entity
-        metrics = self._metrics.get((self.home.name, entity))
-        if metrics is None:
-            metrics = self._metrics[(self.home.name, entity)] = _Metrics(self.home.name, entity)
-        metrics.latency.observe(time.perf_counter() - started)
         n = len(plan.ids)
-        found = int(result.found.sum())
-        stale = int(result.stale.sum())
-        if found:
-            metrics.hit.inc(found)
-        if result.near_hits:
-            metrics.near.inc(result.near_hits)
-        if n - found - stale:
-            metrics.miss.inc(n - found - stale)
-        if stale:
-            metrics.stale.inc(stale)
-        if result.region != self.home.name:
-            counter = metrics.fallback.get(result.region)
-            if counter is None:
-                counter = metrics.fallback[result.region] = FALLBACKS.labels(
-                    self.home.name, result.region, entity
-                )
-            counter.inc()
+        found = len(result._rows)
+        stale = int(result.stale.sum()) if plan.max_staleness_us is not None else 0
+        home = self.home.name
+        STATS.lookup(
+            home, entity, time.perf_counter() - started, found, n - found - stale, stale,
+            result.near_hits,
+        )
+        if result.region != home:
+            STATS.fallback(home, result.region, entity)
 
     def failed(self, region: str, reason: str) -> None:
-        REGION_FAILURES.labels(region, reason).inc()
+        STATS.failure(region, reason)
 
     def unavailable(
         self, plan: _Plan, attempts: list[tuple[str, str]], refused: list[tuple[str, str]]
@@ -280,6 +254,35 @@ def _pool_options(timeout_s: float) -> dict[str, Any]:
         # one timeout per call: retries are the breaker's and the failover's job
         "retry": Retry(NoBackoff(), 0),
     }
+
+
+def _mget(client: redis.Redis, keys: list[str]) -> list[bytes | None]:
+    """One MGET on a pooled connection, without redis-py's per-command layers
+    (retry wrapper, observability hooks): about 10 us less per call."""
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_command("MGET", *keys)
+        return connection.read_response()  # type: ignore[no-any-return]
+    except BaseException:
+        connection.disconnect()  # a half-read reply must not be reused
+        raise
+    finally:
+        pool.release(connection)
+
+
+async def _amget(client: aioredis.Redis, keys: list[str]) -> list[bytes | None]:
+    """The asyncio twin of :func:`_mget` (also safe under cancellation by a timeout)."""
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_command("MGET", *keys)
+        return await connection.read_response()  # type: ignore[no-any-return]
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
 
 
 class _Base:
@@ -438,7 +441,7 @@ class FeatureClient(_Base):
         if near is None or name != self.region or not near.active:
             if isinstance(client, redis.RedisCluster):
                 return client.mget_nonatomic(keys), 0
-            return client.mget(keys), 0
+            return _mget(client, keys), 0
         values, misses = near.lookup(keys)
         if not misses:
             return values, len(keys)
@@ -447,7 +450,7 @@ class FeatureClient(_Base):
         if near.reset_needed:
             near.reset_needed = False
             client.connection_pool.disconnect()
-        fetched = client.mget(missing)
+        fetched = _mget(client, missing)  # type: ignore[arg-type]
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value
@@ -579,7 +582,7 @@ class AsyncFeatureClient(_Base):
         if near is None or name != self.region or not near.active:
             if isinstance(client, aioredis.RedisCluster):
                 return await client.mget_nonatomic(keys), 0
-            return await client.mget(keys), 0
+            return await _amget(client, keys), 0
         values, misses = near.lookup(keys)
         if not misses:
             return values, len(keys)
@@ -588,7 +591,7 @@ class AsyncFeatureClient(_Base):
         if near.reset_needed:
             near.reset_needed = False
             await client.connection_pool.disconnect()
-        fetched = await client.mget(missing)
+        fetched = await _amget(client, missing)  # type: ignore[arg-type]
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value

@@ -330,17 +330,21 @@ class Decoded:
     """Values of one lookup decoded into the reader's record layout.
 
     Attributes:
-        records: One record per found entity (reader layout), in no particular order.
+        records: One record per found entity (reader layout).
         rows: For each record, the index of its id in the request.
         deleted: Indices of ids whose key holds a tombstone.
         needs: ``(version, fingerprint)`` of schema versions to fetch from the
             registry before decoding can finish; when not empty, ``records`` is empty.
+        all_valid: Every feature of every record has a value.
+        complete: Every requested id was found, and ``rows`` is ``0..n-1`` in order.
     """
 
     records: np.ndarray[Any, Any]
     rows: np.ndarray[Any, np.dtype[np.intp]]
     deleted: tuple[int, ...] = ()
     needs: frozenset[tuple[int, int]] = frozenset()
+    all_valid: bool = False
+    complete: bool = False
 
 
 class RecordReader:
@@ -359,6 +363,14 @@ class RecordReader:
         self.layout = layout
         self.record = RecordLayout(schema)
         self._empty = np.zeros(0, dtype=self.record.dtype)
+        self._prefix = _HEADER.pack(
+            MAGIC, FORMAT_VERSION, 0, schema.version, len(schema.features), schema.fingerprint
+        )
+        n = len(schema.features)
+        full = bytearray(b"\xff" * self.record.valid_size)
+        if n % 8:
+            full[-1] = (1 << (n % 8)) - 1
+        self._full_valid = bytes(full)
         # (version, fingerprint) -> the writer's RecordLayout, or the error to raise
         self._known: dict[tuple[int, int], RecordLayout | SchemaVersionError] = {
             (schema.version, schema.fingerprint): self.record
@@ -404,39 +416,40 @@ class RecordReader:
             SchemaVersionError: a value's schema version cannot be read safely.
         """
         size = self.record.itemsize
+        prefix = self._prefix
+        full = self._full_valid
         parts: list[bytes] = []
         rows: list[int] = []
         odd: list[int] = []
+        all_valid = True
         for index, raw in enumerate(raws):
             if raw is None:
                 continue
-            if len(raw) == size:
+            # the 12 header bytes before the position are fixed for a value of our version
+            if len(raw) == size and raw.startswith(prefix):
                 parts.append(raw)
                 rows.append(index)
+                if all_valid and not raw.endswith(full):
+                    all_valid = False
             else:
                 odd.append(index)
-        if not parts and not odd:
-            return Decoded(self._empty, np.zeros(0, dtype=np.intp))
-        records = np.frombuffer(b"".join(parts), dtype=self.record.dtype)
-        me = self.schema
-        if parts:
-            good = (
-                (records["magic"] == MAGIC)
-                & (records["format"] == FORMAT_VERSION)
-                & (records["flags"] == 0)
-                & (records["schema_version"] == me.version)
-                & (records["fingerprint"] == me.fingerprint)
-            )
-            if not good.all():
-                # same size, other version (or not ours): decode them one by one
-                bad = np.flatnonzero(~good)
-                odd.extend(rows[i] for i in bad)
-                keep = np.flatnonzero(good)
-                records = records[keep]
-                rows = [rows[i] for i in keep]
         if not odd:
-            return Decoded(records, np.asarray(rows, dtype=np.intp))
-        return self._decode_odd(raws, ids, records, rows, sorted(odd))
+            if not parts:
+                return Decoded(self._empty, np.zeros(0, dtype=np.intp))
+            buffer = parts[0] if len(parts) == 1 else b"".join(parts)
+            records = np.frombuffer(buffer, dtype=self.record.dtype)
+            return Decoded(
+                records,
+                np.arange(len(rows), dtype=np.intp)
+                if len(rows) == len(raws)
+                else np.asarray(rows, dtype=np.intp),
+                all_valid=all_valid,
+                complete=len(rows) == len(raws),
+            )
+        records = (
+            np.frombuffer(b"".join(parts), dtype=self.record.dtype) if parts else self._empty
+        )
+        return self._decode_odd(raws, ids, records, rows, odd)
 
     def _decode_odd(
         self,

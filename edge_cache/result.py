@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_cache.layout import RecordLayout
+from edge_cache.layout import Decoded, RecordLayout
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -22,6 +22,10 @@ __all__ = ["FeatureVectors", "Projection"]
 
 _NAT = np.iinfo(np.int64).min
 _EXACT_IN_FLOAT32 = frozenset({"float32", "bool"})
+# byte value -> its 8 bits, least significant first (the validity bitmap's order)
+_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").view(
+    np.bool_
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +92,8 @@ class Projection:
 
     def valid(self, records: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which selected features of ``records`` have a value (``len x k`` bool)."""
-        bits = np.unpackbits(
-            records["valid"], axis=1, count=len(self.layout.schema.features), bitorder="little"
-        )
-        return bits[:, self.positions].view(np.bool_)
+        bits = _BITS[records["valid"]].reshape(len(records), -1)
+        return bits[:, self.positions]
 
     def column(self, records: np.ndarray[Any, Any], index: int) -> np.ndarray[Any, Any]:
         """Selected feature ``index`` of ``records`` in its own dtype."""
@@ -214,8 +216,7 @@ def build_vectors(
     ids: tuple[Any, ...],
     region: str,
     projection: Projection,
-    records: np.ndarray[Any, Any],
-    rows: np.ndarray[Any, np.dtype[np.intp]],
+    decoded: Decoded,
     now_us: int,
     max_staleness_us: int | None,
     near_hits: int,
@@ -223,32 +224,48 @@ def build_vectors(
     """Assemble a :class:`FeatureVectors` from decoded records (shared by both client faces)."""
     n = len(ids)
     k = len(projection.names)
-    commit = np.full(n, _NAT, dtype=np.int64)
-    write = np.full(n, _NAT, dtype=np.int64)
+    records = decoded.records
+    rows = decoded.rows
+    complete = decoded.complete
     stale = np.zeros(n, dtype=np.bool_)
-    found = np.zeros(n, dtype=np.bool_)
-    if len(rows):
-        commit[rows] = records["commit_us"]
-        write[rows] = records["write_us"]
-        if max_staleness_us is not None:
-            too_old = (now_us - records["commit_us"]) > max_staleness_us
-            if too_old.any():
-                stale[rows[too_old]] = True
-                fresh = ~too_old
-                records = records[fresh]
-                rows = rows[fresh]
-        found[rows] = True
-    if len(rows) == n and n and (rows[0] == 0 and (np.diff(rows) == 1).all()):
-        values = projection.matrix(records)
-        present = projection.valid(records)
+    if complete:
+        commit = records["commit_us"].astype(np.int64)
+        write = records["write_us"].astype(np.int64)
     else:
+        commit = np.full(n, _NAT, dtype=np.int64)
+        write = np.full(n, _NAT, dtype=np.int64)
+        if len(rows):
+            commit[rows] = records["commit_us"]
+            write[rows] = records["write_us"]
+    if max_staleness_us is not None and len(rows):
+        too_old = (now_us - records["commit_us"]) > max_staleness_us
+        if too_old.any():
+            stale[rows[too_old]] = True
+            fresh = ~too_old
+            records = records[fresh]
+            rows = rows[fresh]
+            complete = False
+    if complete:
+        found = np.ones(n, dtype=np.bool_)
+        values = projection.matrix(records)
+        if decoded.all_valid:
+            present = np.ones((n, k), dtype=np.bool_)
+        else:
+            present = projection.valid(records)
+            values[~present] = np.nan
+    else:
+        found = np.zeros(n, dtype=np.bool_)
         values = np.full((n, k), np.nan, dtype=projection.matrix_dtype)
         present = np.zeros((n, k), dtype=np.bool_)
         if len(rows):
+            found[rows] = True
             values[rows] = projection.matrix(records)
-            present[rows] = projection.valid(records)
-    if not present.all():
-        values[~present] = np.nan
+            if decoded.all_valid:
+                present[rows] = True
+            else:
+                valid = projection.valid(records)
+                present[rows] = valid
+                values[~present] = np.nan
     return FeatureVectors(
         entity=entity,
         ids=ids,

@@ -18,7 +18,7 @@ from edge_cache import (
     RegionSettings,
     RegionUnavailableError,
 )
-from edge_cache.metrics import REGION_FAILURES
+from edge_cache.metrics import STATS
 
 
 
@@ -48,7 +48,7 @@ def _seed(regions: list[RegionSettings], make_writer: Callable[..., FeatureWrite
 
 
 def _failures(region: str, reason: str) -> float:
-    return REGION_FAILURES.labels(region, reason)._value.get()
+    return STATS.failure_count(region, reason)
 
 
 def test_personal_features_never_leave_residency_zone(
