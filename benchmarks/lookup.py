@@ -58,7 +58,7 @@ N_ENTITIES = 1000
 N_FEATURES = 50
 SIZES = (1, 100)
 
-FEAST_DRIVER = r'''
+FEAST_DRIVER = r"""
 import json, sys, tempfile, time, os
 from datetime import datetime, timedelta, timezone
 import numpy as np
@@ -91,7 +91,8 @@ view = FeatureView(
     name="user_features",
     entities=[user],
     ttl=timedelta(days=1),
-    schema=[Field(name="user_id", dtype=Int64)] + [Field(name=f"f{i}", dtype=Float32) for i in range(k)],
+    schema=[Field(name="user_id", dtype=Int64)]
+    + [Field(name=f"f{i}", dtype=Float32) for i in range(k)],
     online=True,
     source=FileSource(path=parquet, timestamp_field="event_timestamp"),
 )
@@ -103,7 +104,8 @@ out = {"version": __import__("feast").__version__, "cases": {}}
 for size, batches in args["batches"].items():
     rows_of = [[{"user_id": int(i)} for i in batch] for batch in batches]
     got = store.get_online_features(features=refs, entity_rows=rows_of[0]).to_dict()
-    check = np.array([[got[f"f{i}"][r] for i in range(k)] for r in range(len(batches[0]))], np.float32)
+    first = range(len(batches[0]))
+    check = np.array([[got[f"f{i}"][r] for i in range(k)] for r in first], np.float32)
     ok = bool(np.array_equal(check, data[batches[0]]))
     for rows in rows_of[: args["warmup"]]:
         store.get_online_features(features=refs, entity_rows=rows).to_dict()
@@ -121,7 +123,7 @@ for size, batches in args["batches"].items():
     wall = time.perf_counter() - start
     out["cases"][size] = {"times_ns": times, "wall_s": wall, "values_ok": ok}
 print(json.dumps(out))
-'''
+"""
 
 
 def free_port() -> int:
@@ -138,8 +140,19 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="edgefeed-bench-redis-")
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -180,8 +193,13 @@ def summarize(times_ns: list[int], wall_s: float) -> dict[str, float]:
     }
 
 
-def run_sync(call: Callable[[list[int]], Any], batches: list[list[int]], seconds: float,
-             min_calls: int, warmup: int) -> dict[str, float]:
+def run_sync(
+    call: Callable[[list[int]], Any],
+    batches: list[list[int]],
+    seconds: float,
+    min_calls: int,
+    warmup: int,
+) -> dict[str, float]:
     for batch in batches[:warmup]:
         call(batch)
     gc.collect()
@@ -201,8 +219,13 @@ def run_sync(call: Callable[[list[int]], Any], batches: list[list[int]], seconds
     return summarize(times, time.perf_counter() - start)
 
 
-async def run_async(call: Callable[[list[int]], Awaitable[Any]], batches: list[list[int]],
-                    seconds: float, min_calls: int, warmup: int) -> dict[str, float]:
+async def run_async(
+    call: Callable[[list[int]], Awaitable[Any]],
+    batches: list[list[int]],
+    seconds: float,
+    min_calls: int,
+    warmup: int,
+) -> dict[str, float]:
     for batch in batches[:warmup]:
         await call(batch)
     gc.collect()
@@ -223,25 +246,43 @@ async def run_async(call: Callable[[list[int]], Awaitable[Any]], batches: list[l
 
 
 def feast_python(explicit: str | None) -> str | None:
-    candidates = [explicit, os.environ.get("EDGEFEED_FEAST_PYTHON"), str(ROOT / ".venv/feast/bin/python")]
+    candidates = [
+        explicit,
+        os.environ.get("EDGEFEED_FEAST_PYTHON"),
+        str(ROOT / ".venv/feast/bin/python"),
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).exists():
             return candidate
     return None
 
 
-def run_feast(python: str, port: int, data: np.ndarray, batches: dict[int, list[list[int]]],
-              seconds: float, min_calls: int, warmup: int) -> dict[str, Any]:
+def run_feast(
+    python: str,
+    port: int,
+    data: np.ndarray,
+    batches: dict[int, list[list[int]]],
+    seconds: float,
+    min_calls: int,
+    warmup: int,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="edgefeed-bench-") as tmp:
         path = os.path.join(tmp, "data.npy")
         np.save(path, data)
         args = {
-            "data": path, "port": port, "seconds": seconds, "min_calls": min_calls,
-            "warmup": warmup, "batches": {str(k): v for k, v in batches.items()},
+            "data": path,
+            "port": port,
+            "seconds": seconds,
+            "min_calls": min_calls,
+            "warmup": warmup,
+            "batches": {str(k): v for k, v in batches.items()},
         }
         done = subprocess.run(
             [python, "-c", FEAST_DRIVER, json.dumps(args)],
-            capture_output=True, text=True, timeout=600, check=False,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
         )
     if done.returncode != 0:
         raise RuntimeError(f"the Feast driver failed:\n{done.stderr[-2000:]}")
@@ -249,8 +290,12 @@ def run_feast(python: str, port: int, data: np.ndarray, batches: dict[int, list[
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a few seconds: tiny runs, same checks")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="a few seconds: tiny runs, same checks"
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per case")
     parser.add_argument("--feast-python", help="interpreter of a venv with feast[redis] installed")
     parser.add_argument("--no-feast", action="store_true", help="skip the Feast comparison")
@@ -272,10 +317,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         region = RegionSettings(name="bench", redis_url=server.url, residency_zone="local")
         with FeatureWriter.from_region(region, [schema]) as writer:
             now = time.time()
-            writer.write([
-                Upsert("user", i, dict(zip(schema.names, row.tolist(), strict=True)), Position(1), now)
-                for i, row in enumerate(data)
-            ])
+            writer.write(
+                [
+                    Upsert(
+                        "user",
+                        i,
+                        dict(zip(schema.names, row.tolist(), strict=True)),
+                        Position(1),
+                        now,
+                    )
+                    for i, row in enumerate(data)
+                ]
+            )
         plain = redis.Redis.from_url(server.url)
         plain.mset({f"plain:{i}": row.tobytes() for i, row in enumerate(data)})
 
@@ -311,26 +364,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             check(f"plain {size}", plain_read(sample[0]), sample[0])
             check(f"edgefeed {size}", off.get("user", sample[0]).to_numpy(), sample[0])
             results["cases"][f"plain redis-py sync {size}x50"] = run_sync(
-                plain_read, sample, seconds, min_calls, warmup)
+                plain_read, sample, seconds, min_calls, warmup
+            )
             results["cases"][f"edgefeed sync near-off {size}x50"] = run_sync(
-                lambda ids: off.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup)
+                lambda ids: off.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup
+            )
             for batch in sample:  # fill the near cache: the "on" case measures hits
                 on.get("user", batch)
             hit = on.get("user", sample[0])
             check(f"edgefeed near {size}", hit.to_numpy(), sample[0])
             results["checks"][f"near hits {size}"] = hit.near_hits == size
             results["cases"][f"edgefeed sync near-on {size}x50"] = run_sync(
-                lambda ids: on.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup)
+                lambda ids: on.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup
+            )
 
         async def async_cases() -> None:
             aoff = AsyncFeatureClient("bench", [region], [schema])
             aon = AsyncFeatureClient("bench", [region], [schema], near_cache=near)
             try:
-                while aon.near is not None and not aon.near.active and time.monotonic() < deadline + 5:
-                    await asyncio.sleep(0.01)
+                # the listener is a thread: poll its flag (no asyncio.Event to wait on)
+                polls = 0
+                while aon.near is not None and not aon.near.active and polls < 500:
+                    await asyncio.sleep(0.01)  # noqa: ASYNC110
+                    polls += 1
                 for size in SIZES:
                     sample = batches[size]
-                    check(f"edgefeed async {size}", (await aoff.get("user", sample[0])).to_numpy(), sample[0])
+                    check(
+                        f"edgefeed async {size}",
+                        (await aoff.get("user", sample[0])).to_numpy(),
+                        sample[0],
+                    )
 
                     async def off_call(ids: list[int]) -> np.ndarray:
                         return (await aoff.get("user", ids)).to_numpy()
@@ -339,13 +402,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         return (await aon.get("user", ids)).to_numpy()
 
                     results["cases"][f"plain redis-py async {size}x50"] = await run_async(
-                        aplain_read, sample, seconds, min_calls, warmup)
+                        aplain_read, sample, seconds, min_calls, warmup
+                    )
                     results["cases"][f"edgefeed async near-off {size}x50"] = await run_async(
-                        off_call, sample, seconds, min_calls, warmup)
+                        off_call, sample, seconds, min_calls, warmup
+                    )
                     for batch in sample:
                         await aon.get("user", batch)
                     results["cases"][f"edgefeed async near-on {size}x50"] = await run_async(
-                        on_call, sample, seconds, min_calls, warmup)
+                        on_call, sample, seconds, min_calls, warmup
+                    )
             finally:
                 await aoff.close()
                 await aon.close()
@@ -360,12 +426,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if python is None:
             results["feast"] = "skipped (no Feast interpreter; see --feast-python)"
         else:
-            feast = run_feast(python, server.port, data, batches, seconds, min(min_calls, 50), min(warmup, 20))
+            feast = run_feast(
+                python, server.port, data, batches, seconds, min(min_calls, 50), min(warmup, 20)
+            )
             results["feast"] = f"feast {feast['version']}"
             for size, case in feast["cases"].items():
                 results["checks"][f"feast {size}"] = case["values_ok"]
                 results["cases"][f"feast get_online_features {size}x50"] = summarize(
-                    case["times_ns"], case["wall_s"])
+                    case["times_ns"], case["wall_s"]
+                )
     finally:
         server.stop()
     results["ratios"] = ratios(results["cases"])
@@ -396,14 +465,22 @@ def ratios(cases: dict[str, dict[str, float]]) -> dict[str, float]:
 def report(results: dict[str, Any]) -> None:
     print(f"{'case':44} {'calls':>7} {'p50 us':>9} {'p99 us':>9} {'calls/s':>9}")
     for name, case in results["cases"].items():
-        print(f"{name:44} {case['calls']:7d} {case['p50_us']:9.1f} {case['p99_us']:9.1f} "
-              f"{case['calls_per_s']:9.0f}")
+        print(
+            f"{name:44} {case['calls']:7d} {case['p50_us']:9.1f} {case['p99_us']:9.1f} "
+            f"{case['calls_per_s']:9.0f}"
+        )
     print()
     for name, value in results["ratios"].items():
         print(f"{name:44} {value:9.2f}")
     print(f"\nFeast: {results['feast']}")
-    print("values checked: " + ", ".join(f"{k}={'ok' if v else 'WRONG'}" for k, v in results["checks"].items()))
-    print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, redis-py {redis.__version__}")
+    print(
+        "values checked: "
+        + ", ".join(f"{k}={'ok' if v else 'WRONG'}" for k, v in results["checks"].items())
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"redis-py {redis.__version__}"
+    )
 
 
 if __name__ == "__main__":

@@ -54,10 +54,11 @@ class CircuitBreaker:
         if self._opened_at is None:  # fast path, no lock: the common case
             return True
         with self._lock:
-            if self._opened_at is None:
+            opened: float | None = self._opened_at  # re-read: another thread may have closed it
+            if opened is None:
                 return True
             now = self._clock()
-            if now - self._opened_at < self.reset_timeout_s:
+            if now - opened < self.reset_timeout_s:
                 return False
             if self._probe_since is not None and now - self._probe_since < self.reset_timeout_s:
                 return False  # a probe is in flight

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -21,9 +21,9 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from edge_cache.breaker import CircuitBreaker
 from edge_cache.exceptions import (
@@ -67,7 +67,9 @@ def _seconds(value: float | timedelta | None, what: str) -> float | None:
         return None
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not seconds >= 0:
-        raise ConfigError(f"{what}={value!r} must be a non-negative number of seconds or a timedelta")
+        raise ConfigError(
+            f"{what}={value!r} must be a non-negative number of seconds or a timedelta"
+        )
     return seconds
 
 
@@ -122,8 +124,11 @@ class LookupCore:
             zone = self.regions[name].residency_zone
             if personal and zone != home.residency_zone:
                 refused.append(
-                    (name, f"not tried: zone {zone!r} is outside residency zone "
-                     f"{home.residency_zone!r} of personal data")
+                    (
+                        name,
+                        f"not tried: zone {zone!r} is outside residency zone "
+                        f"{home.residency_zone!r} of personal data",
+                    )
                 )
             else:
                 allowed.append(name)
@@ -213,7 +218,12 @@ class LookupCore:
         stale = int(result.stale.sum()) if plan.max_staleness_us is not None else 0
         home = self.home.name
         STATS.lookup(
-            home, entity, time.perf_counter() - started, found, n - found - stale, stale,
+            home,
+            entity,
+            time.perf_counter() - started,
+            found,
+            n - found - stale,
+            stale,
             result.near_hits,
         )
         if result.region != home:
@@ -228,8 +238,7 @@ class LookupCore:
         schema = plan.schema
         every = tuple(attempts + refused)
         kind = (
-            f"personal entity type {schema.entity!r} (residency zone "
-            f"{self.home.residency_zone!r})"
+            f"personal entity type {schema.entity!r} (residency zone {self.home.residency_zone!r})"
             if schema.personal
             else f"entity type {schema.entity!r}"
         )
@@ -262,10 +271,10 @@ def _mget(client: redis.Redis, keys: list[str]) -> list[bytes | None]:
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
-        connection.send_command("MGET", *keys)
+        connection.send_command("MGET", *keys)  # type: ignore[no-untyped-call]
         return connection.read_response()  # type: ignore[no-any-return]
     except BaseException:
-        connection.disconnect()  # a half-read reply must not be reused
+        connection.disconnect()  # type: ignore[no-untyped-call]  # half-read: never reuse
         raise
     finally:
         pool.release(connection)
@@ -274,7 +283,7 @@ def _mget(client: redis.Redis, keys: list[str]) -> list[bytes | None]:
 async def _amget(client: aioredis.Redis, keys: list[str]) -> list[bytes | None]:
     """The asyncio twin of :func:`_mget` (also safe under cancellation by a timeout)."""
     pool = client.connection_pool
-    connection = await pool.get_connection()
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         await connection.send_command("MGET", *keys)
         return await connection.read_response()  # type: ignore[no-any-return]
@@ -305,7 +314,9 @@ class _Base:
         self.region = region
         names = [region, *self.core.home.failover]
         self.breakers = {
-            name: CircuitBreaker(failure_threshold=breaker_failures, reset_timeout_s=breaker_reset_s)
+            name: CircuitBreaker(
+                failure_threshold=breaker_failures, reset_timeout_s=breaker_reset_s
+            )
             for name in names
         }
         self.near: NearCache | None = None
@@ -360,8 +371,14 @@ class FeatureClient(_Base):
         layout: KeyLayout | None = None,
     ) -> None:
         super().__init__(
-            region, regions, schemas, timeout_s=timeout_s, near_cache=near_cache,
-            breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s, layout=layout,
+            region,
+            regions,
+            schemas,
+            timeout_s=timeout_s,
+            near_cache=near_cache,
+            breaker_failures=breaker_failures,
+            breaker_reset_s=breaker_reset_s,
+            layout=layout,
         )
         self.clients: dict[str, redis.Redis | redis.RedisCluster] = {}
         for name in self.breakers:
@@ -449,20 +466,18 @@ class FeatureClient(_Base):
         ticket = near.reserve(missing)
         if near.reset_needed:
             near.reset_needed = False
-            client.connection_pool.disconnect()
+            client.connection_pool.disconnect()  # type: ignore[union-attr]
         fetched = _mget(client, missing)  # type: ignore[arg-type]
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value
         return values, len(keys) - len(misses)
 
-    def _learn(
-        self, name: str, plan: _Plan, raws: list[bytes | None], decoded: Decoded
-    ) -> Decoded:
+    def _learn(self, name: str, plan: _Plan, raws: list[bytes | None], decoded: Decoded) -> Decoded:
         client = self.clients[name]
         for version, fingerprint in decoded.needs:
             document = client.get(self.core.layout.schema_key(plan.schema.entity, version))
-            plan.reader.learn(version, fingerprint, document)  # type: ignore[arg-type]
+            plan.reader.learn(version, fingerprint, document)
         return plan.reader.decode(raws, plan.ids)
 
     def close(self) -> None:
@@ -498,8 +513,14 @@ class AsyncFeatureClient(_Base):
         layout: KeyLayout | None = None,
     ) -> None:
         super().__init__(
-            region, regions, schemas, timeout_s=timeout_s, near_cache=near_cache,
-            breaker_failures=breaker_failures, breaker_reset_s=breaker_reset_s, layout=layout,
+            region,
+            regions,
+            schemas,
+            timeout_s=timeout_s,
+            near_cache=near_cache,
+            breaker_failures=breaker_failures,
+            breaker_reset_s=breaker_reset_s,
+            layout=layout,
         )
         self.clients: dict[str, aioredis.Redis | aioredis.RedisCluster] = {}
         for name in self.breakers:
@@ -590,7 +611,7 @@ class AsyncFeatureClient(_Base):
         ticket = near.reserve(missing)
         if near.reset_needed:
             near.reset_needed = False
-            await client.connection_pool.disconnect()
+            await client.connection_pool.disconnect()  # type: ignore[union-attr]
         fetched = await _amget(client, missing)  # type: ignore[arg-type]
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):

@@ -131,7 +131,8 @@ class Position:
             return cls((int(high, 16) << 32) | int(low, 16), seq)
         except ValueError:
             raise InvalidValueError(
-                f"{lsn!r} is not a PostgreSQL LSN; expected hex 'XXXXXXXX/XXXXXXXX' like '16/B374D848'"
+                f"{lsn!r} is not a PostgreSQL LSN; expected hex 'XXXXXXXX/XXXXXXXX' "
+                "like '16/B374D848'"
             ) from None
 
     def pack(self) -> bytes:
@@ -446,9 +447,7 @@ class RecordReader:
                 all_valid=all_valid,
                 complete=len(rows) == len(raws),
             )
-        records = (
-            np.frombuffer(b"".join(parts), dtype=self.record.dtype) if parts else self._empty
-        )
+        records = np.frombuffer(b"".join(parts), dtype=self.record.dtype) if parts else self._empty
         return self._decode_odd(raws, ids, records, rows, odd)
 
     def _decode_odd(
@@ -469,7 +468,9 @@ class RecordReader:
                 continue
             key = self.layout.key(me.entity, ids[index])
             if len(raw) < HEADER_SIZE:
-                raise CorruptValueError(f"value at {key!r} is {len(raw)} bytes, not an edgefeed value")
+                raise CorruptValueError(
+                    f"value at {key!r} is {len(raw)} bytes, not an edgefeed value"
+                )
             magic, fmt, flags, version, n_features, fingerprint = _HEADER.unpack_from(raw)
             if magic != MAGIC or fmt != FORMAT_VERSION:
                 raise CorruptValueError(
@@ -510,9 +511,10 @@ class RecordReader:
         """Rewrite a value of a compatible version into the reader's layout."""
         mine = self.record
         me = self.schema
-        header = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, 0, me.version, len(me.features), me.fingerprint
-        ) + raw[POSITION_OFFSET:HEADER_SIZE]
+        header = (
+            _HEADER.pack(MAGIC, FORMAT_VERSION, 0, me.version, len(me.features), me.fingerprint)
+            + raw[POSITION_OFFSET:HEADER_SIZE]
+        )
         their_valid = raw[len(raw) - writer.valid_size :]
         if mine.payload_size <= writer.payload_size:  # writer is newer: keep the prefix
             payload = raw[HEADER_SIZE : HEADER_SIZE + mine.payload_size]

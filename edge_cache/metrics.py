@@ -21,8 +21,22 @@ from prometheus_client.registry import Collector
 __all__ = ["BUCKETS", "STATS", "LookupStats"]
 
 BUCKETS = (
-    50e-6, 100e-6, 200e-6, 350e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
-    50e-3, 100e-3, 250e-3, 1.0,
+    50e-6,
+    100e-6,
+    200e-6,
+    350e-6,
+    500e-6,
+    750e-6,
+    1e-3,
+    1.5e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    1.0,
 )
 OUTCOMES = ("hit", "miss", "stale")
 
@@ -90,7 +104,10 @@ class LookupStats(Collector):
 
     def collect(self) -> Iterator[Any]:
         with self._lock:
-            series = {k: (list(v.buckets), v.sum, list(v.outcomes), v.near) for k, v in self.series.items()}
+            series = {
+                k: (list(v.buckets), v.sum, list(v.outcomes), v.near)
+                for k, v in self.series.items()
+            }
             fallbacks = dict(self.fallbacks)
             failures = dict(self.failures)
         latency = HistogramMetricFamily(
@@ -122,16 +139,16 @@ class LookupStats(Collector):
             "Calls served by a failover region instead of the client's home region.",
             labels=["region", "served_by", "entity"],
         )
-        for labels, count in fallbacks.items():
-            fallback.add_metric(list(labels), count)
+        for path, count in fallbacks.items():
+            fallback.add_metric(list(path), count)
         failure = CounterMetricFamily(
             "edgefeed_lookup_region_failures",
             "Failed reads from a region (timeout, connection) and calls skipped because its "
             "circuit breaker was open (breaker_open).",
             labels=["region", "reason"],
         )
-        for labels, count in failures.items():
-            failure.add_metric(list(labels), count)
+        for reason, count in failures.items():
+            failure.add_metric(list(reason), count)
         yield from (latency, rows, near, fallback, failure)
 
 

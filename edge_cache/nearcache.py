@@ -63,7 +63,9 @@ class NearCacheConfig:
 class NearCache:
     """Raw values by key, bounded in size and age, invalidated from outside. Thread-safe."""
 
-    def __init__(self, config: NearCacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: NearCacheConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self._clock = clock
         self._data: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
@@ -108,7 +110,9 @@ class NearCache:
                 pending[key] = token
             return self.generation, token
 
-    def fill(self, keys: Sequence[str], values: Sequence[bytes | None], ticket: tuple[int, int]) -> None:
+    def fill(
+        self, keys: Sequence[str], values: Sequence[bytes | None], ticket: tuple[int, int]
+    ) -> None:
         """Store values read after :meth:`reserve`, unless invalidated meanwhile."""
         generation, token = ticket
         now = self._clock()
@@ -167,7 +171,10 @@ class InvalidationListener:
         connect_timeout_s: float = 1.0,
     ) -> None:
         self._pool = redis.ConnectionPool.from_url(
-            url, protocol=3, socket_connect_timeout=connect_timeout_s, socket_timeout=connect_timeout_s
+            url,
+            protocol=3,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=connect_timeout_s,
         )
         self.cache = cache
         self.client_id: int | None = None

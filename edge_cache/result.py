@@ -68,7 +68,9 @@ class Projection:
         object.__setattr__(
             self,
             "_plan",
-            tuple((f, np.asarray(c, np.intp), np.asarray(o, np.intp)) for f, (c, o) in plan.items()),
+            tuple(
+                (f, np.asarray(c, np.intp), np.asarray(o, np.intp)) for f, (c, o) in plan.items()
+            ),
         )
         whole = None
         runs = self.layout.runs
@@ -92,8 +94,8 @@ class Projection:
 
     def valid(self, records: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which selected features of ``records`` have a value (``len x k`` bool)."""
-        bits = _BITS[records["valid"]].reshape(len(records), -1)
-        return bits[:, self.positions]
+        bits: np.ndarray[Any, np.dtype[np.bool_]] = _BITS[records["valid"]]
+        return bits.reshape(len(records), -1)[:, self.positions]
 
     def column(self, records: np.ndarray[Any, Any], index: int) -> np.ndarray[Any, Any]:
         """Selected feature ``index`` of ``records`` in its own dtype."""

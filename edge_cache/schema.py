@@ -92,11 +92,14 @@ class FeatureSchema:
             raise SchemaError(
                 f"entity type {self.entity!r} has {len(features)} features; at most {MAX_FEATURES}"
             )
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or not (
-            1 <= self.version <= MAX_VERSION
+        if (
+            isinstance(self.version, bool)
+            or not isinstance(self.version, int)
+            or not (1 <= self.version <= MAX_VERSION)
         ):
             raise SchemaError(
-                f"schema version {self.version!r} of {self.entity!r} must be an int in 1..{MAX_VERSION}"
+                f"schema version {self.version!r} of {self.entity!r} must be an int in "
+                f"1..{MAX_VERSION}"
             )
         index: dict[str, int] = {}
         for position, feature in enumerate(features):

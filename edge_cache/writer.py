@@ -159,7 +159,11 @@ class WriterCore:
 
     def schema_documents(self) -> list[tuple[str, str, FeatureSchema]]:
         return [
-            (self.layout.schema_key(r.schema.entity, r.schema.version), r.schema.to_json(), r.schema)
+            (
+                self.layout.schema_key(r.schema.entity, r.schema.version),
+                r.schema.to_json(),
+                r.schema,
+            )
             for r in self.records.values()
         ]
 
@@ -210,7 +214,11 @@ class FeatureWriter:
 
     @classmethod
     def from_region(
-        cls, region: RegionSettings, schemas: Iterable[FeatureSchema], *, timeout_s: float = 5.0,
+        cls,
+        region: RegionSettings,
+        schemas: Iterable[FeatureSchema],
+        *,
+        timeout_s: float = 5.0,
         **options: Any,
     ) -> FeatureWriter:
         """A writer for the region's cache, built from its settings."""
@@ -231,7 +239,7 @@ class FeatureWriter:
         """
         for key, document, schema in self.core.schema_documents():
             if not self.client.set(key, document, nx=True):
-                self.core.check_published(key, schema, self.client.get(key))  # type: ignore[arg-type]
+                self.core.check_published(key, schema, self.client.get(key))
 
     def upsert(
         self,
@@ -306,7 +314,11 @@ class AsyncFeatureWriter:
 
     @classmethod
     def from_region(
-        cls, region: RegionSettings, schemas: Iterable[FeatureSchema], *, timeout_s: float = 5.0,
+        cls,
+        region: RegionSettings,
+        schemas: Iterable[FeatureSchema],
+        *,
+        timeout_s: float = 5.0,
         **options: Any,
     ) -> AsyncFeatureWriter:
         """A writer for the region's cache, built from its settings."""
@@ -335,7 +347,9 @@ class AsyncFeatureWriter:
         ttl_s: float | None = None,
     ) -> bool:
         """See :meth:`FeatureWriter.upsert`."""
-        return (await self.write([Upsert(entity, entity_id, values, position, commit_time, ttl_s)]))[0]
+        return (
+            await self.write([Upsert(entity, entity_id, values, position, commit_time, ttl_s)])
+        )[0]
 
     async def delete(
         self, entity: str, entity_id: str | int, position: Position, commit_time: datetime | float

@@ -4,6 +4,7 @@ and a 3-node Redis Cluster, started by the same devstack code as ``edgefeed dev 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -117,10 +118,8 @@ class BlackHole:
 
     def close(self) -> None:
         self._stop = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        except OSError:
-            pass
         self.sock.close()
         for conn in self._conns:
             conn.close()

@@ -32,7 +32,9 @@ USER = FeatureSchema.of("user", ["a", "b"])
 
 def _state(client: FeatureClient, ids: list[int]) -> list[object]:
     result = client.get("user", ids)
-    return [row if found else None for row, found in zip(result.to_dicts(), result.found, strict=True)]
+    return [
+        row if found else None for row, found in zip(result.to_dicts(), result.found, strict=True)
+    ]
 
 
 def test_reordered_and_redelivered_events_converge(
@@ -67,7 +69,9 @@ def test_reordered_and_redelivered_events_converge(
             assert _state(client, [1, 2, 3]) == expected
 
 
-def test_outcomes_and_tombstone(home: RegionSettings, make_writer: Callable[..., FeatureWriter]) -> None:
+def test_outcomes_and_tombstone(
+    home: RegionSettings, make_writer: Callable[..., FeatureWriter]
+) -> None:
     writer = make_writer(home, [USER], tombstone_ttl_s=600)
     now = time.time()
     assert writer.upsert("user", 5, {"a": 1.0}, Position(100), now) is True
@@ -87,7 +91,9 @@ def test_outcomes_and_tombstone(home: RegionSettings, make_writer: Callable[...,
     assert writer.client.pttl(key) == -1
 
 
-def test_vector_ttl(regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]) -> None:
+def test_vector_ttl(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 6, {"a": 1.0}, Position(1), time.time(), ttl_s=30)
     assert 0 < writer.client.pttl(KeyLayout().key("user", 6)) <= 30_000
@@ -113,14 +119,16 @@ def test_foreign_value_is_refused_not_overwritten(
     assert writer.client.get(key) == b"someone else's data"
 
 
-def test_publish_schemas(regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]) -> None:
+def test_publish_schemas(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
     writer = make_writer(regions[0], [USER])
     writer.publish_schemas()
     writer.publish_schemas()  # idempotent
     stored = writer.client.get(KeyLayout().schema_key("user", 1))
     assert FeatureSchema.from_json(stored) == USER
     clash = make_writer(regions[0], [FeatureSchema.of("user", ["a", "c"])])
-    with pytest.raises(SchemaError, match="different schema.*FeatureSchema.evolve"):
+    with pytest.raises(SchemaError, match=r"different schema.*FeatureSchema\.evolve"):
         clash.publish_schemas()
 
 
@@ -142,7 +150,9 @@ async def test_async_writer_same_semantics(home: RegionSettings) -> None:
         assert _state(client, [1, 2]) == [{"a": None, "b": 2.0}, None]
 
 
-def test_batch_is_one_round_trip(regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]) -> None:
+def test_batch_is_one_round_trip(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
     """A batch of N ops is sent as one pipeline: the server sees N EVALSHA in one read."""
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 0, {"a": 0.0}, Position(1), time.time())  # script loaded

@@ -20,8 +20,6 @@ from edge_cache import (
 )
 from edge_cache.metrics import STATS
 
-
-
 pytestmark = pytest.mark.integration
 
 PROFILE = FeatureSchema.of("profile", ["age_bucket", "spend_30d"], personal=True)
@@ -43,7 +41,9 @@ def _dead_home(regions: list[RegionSettings], hole: Any) -> list[RegionSettings]
 def _seed(regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]) -> None:
     for region in regions:
         writer = make_writer(region, [PROFILE, ITEM])
-        writer.upsert("profile", "u1", {"age_bucket": 3.0, "spend_30d": 12.5}, Position(1), time.time())
+        writer.upsert(
+            "profile", "u1", {"age_bucket": 3.0, "spend_30d": 12.5}, Position(1), time.time()
+        )
         writer.upsert("item", "sku", {"ctr": 0.5, "price": 9.0}, Position(1), time.time())
 
 
@@ -56,7 +56,9 @@ def test_personal_features_never_leave_residency_zone(
 ) -> None:
     _seed(regions, make_writer)  # every region holds the entity, so a leak would succeed
     before = {r.name: _mget_calls(r) for r in regions[1:]}
-    with FeatureClient("eu-west", _dead_home(regions, black_hole), [PROFILE, ITEM], timeout_s=0.2) as client:
+    with FeatureClient(
+        "eu-west", _dead_home(regions, black_hole), [PROFILE, ITEM], timeout_s=0.2
+    ) as client:
         with pytest.raises(RegionUnavailableError) as error:
             client.get("profile", ["u1"])
         message = str(error.value)

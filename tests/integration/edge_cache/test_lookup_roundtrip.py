@@ -39,10 +39,24 @@ ITEM = FeatureSchema(
 )
 
 EXTREMES = [
-    {"ctr": np.float32(0.1), "price": np.float32(-0.0), "clicks": 2**63 - 1, "rank": -(2**31),
-     "in_stock": True, "score": 1 / 3, "emb0": np.float32(1e-45)},
-    {"ctr": np.float32(3.4028235e38), "price": np.float32(-1.5), "clicks": -(2**63), "rank": 7,
-     "in_stock": False, "score": -1e300, "emb0": np.float32(-2.5)},
+    {
+        "ctr": np.float32(0.1),
+        "price": np.float32(-0.0),
+        "clicks": 2**63 - 1,
+        "rank": -(2**31),
+        "in_stock": True,
+        "score": 1 / 3,
+        "emb0": np.float32(1e-45),
+    },
+    {
+        "ctr": np.float32(3.4028235e38),
+        "price": np.float32(-1.5),
+        "clicks": -(2**63),
+        "rank": 7,
+        "in_stock": False,
+        "score": -1e300,
+        "emb0": np.float32(-2.5),
+    },
     {"ctr": np.float32(0.25), "clicks": 0},  # partly missing
 ]
 
@@ -142,7 +156,13 @@ def test_float32_vectors_exact_and_selected(
     writer = make_writer(home, [schema])
     writer.write(
         [
-            Upsert("user", i, dict(zip(schema.names, row.tolist(), strict=True)), Position(1), time.time())
+            Upsert(
+                "user",
+                i,
+                dict(zip(schema.names, row.tolist(), strict=True)),
+                Position(1),
+                time.time(),
+            )
             for i, row in enumerate(data)
         ]
     )
@@ -154,11 +174,15 @@ def test_float32_vectors_exact_and_selected(
         picked = client.get("user", np.array([99, 3]), ["f49", "f0", "f7"])
         assert np.array_equal(picked.values, data[[99, 3]][:, [49, 0, 7]])
         assert picked.to_dicts()[0] == {
-            "f49": float(data[99, 49]), "f0": float(data[99, 0]), "f7": float(data[99, 7])
+            "f49": float(data[99, 49]),
+            "f0": float(data[99, 0]),
+            "f7": float(data[99, 7]),
         }
 
 
-def test_staleness_bound(regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]) -> None:
+def test_staleness_bound(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
     schema = FeatureSchema.of("user", ["a", "b"])
     writer = make_writer(regions[0], [schema])
     now = time.time()

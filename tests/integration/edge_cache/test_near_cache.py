@@ -80,7 +80,9 @@ def test_listener_loss_flushes_and_recovers(
         assert _until(lambda: client.get("user", [1]).to_dicts()[0]["a"] == 2.0)
 
 
-def test_ttl_bounds_entries(regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]) -> None:
+def test_ttl_bounds_entries(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
     short = NearCacheConfig(max_entries=10, ttl_s=0.05)

@@ -59,9 +59,11 @@ def test_unpublished_newer_version_is_refused(
 ) -> None:
     writer = make_writer(regions[0], [V2])  # never publishes its schema
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [V1]) as client:
-        with pytest.raises(SchemaVersionError, match=r"schema version 2.*not published.*publish"):
-            client.get("user", [1])
+    with (
+        FeatureClient("eu-west", regions, [V1]) as client,
+        pytest.raises(SchemaVersionError, match=r"schema version 2.*not published.*publish"),
+    ):
+        client.get("user", [1])
 
 
 def test_incompatible_version_is_refused(
@@ -72,9 +74,11 @@ def test_incompatible_version_is_refused(
     writer = make_writer(regions[0], [reordered])
     writer.publish_schemas()
     writer.upsert("user", 1, {"a": 1.0, "n": 5}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [V1]) as client:
-        with pytest.raises(SchemaVersionError, match="not an append-only evolution"):
-            client.get("user", [1])
+    with (
+        FeatureClient("eu-west", regions, [V1]) as client,
+        pytest.raises(SchemaVersionError, match="not an append-only evolution"),
+    ):
+        client.get("user", [1])
 
 
 def test_same_version_different_schema_is_refused(
@@ -82,6 +86,8 @@ def test_same_version_different_schema_is_refused(
 ) -> None:
     other = FeatureSchema.of("user", {"a": "float32", "m": "int32"})  # also version 1
     make_writer(regions[0], [other]).upsert("user", 1, {"a": 1.0, "m": 5}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [V1]) as client:
-        with pytest.raises(SchemaVersionError, match="two different schemas share one version"):
-            client.get("user", [1])
+    with (
+        FeatureClient("eu-west", regions, [V1]) as client,
+        pytest.raises(SchemaVersionError, match="two different schemas share one version"),
+    ):
+        client.get("user", [1])
