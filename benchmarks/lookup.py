@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # the listener is a thread: poll its flag (no asyncio.Event to wait on)
                 polls = 0
                 while aon.near is not None and not aon.near.active and polls < 500:
-                    await asyncio.sleep(0.01)  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
                     polls += 1
                 for size in SIZES:
                     sample = batches[size]
