@@ -44,7 +44,8 @@ __all__ = [
     "probe_image",
 ]
 
-_FORMATS = ("JPEG", "MPO", "PNG", "WEBP")
+# The JPEG opener also returns MPO (multi-picture JPEG from cameras) images.
+_FORMATS = ("JPEG", "PNG", "WEBP")
 _RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
     "box": Image.Resampling.BOX,
