@@ -81,9 +81,21 @@ CONTENT_TYPE_TEXT: Final = "text/plain"
 _CONTENT_TYPE = re.compile(r"^[a-z0-9][a-z0-9!#$&^_.+-]*/[a-z0-9][a-z0-9!#$&^_.+-]*$")
 # Numbers only: an object dtype in a header must never reach np.frombuffer.
 _DTYPES: Final = frozenset(
-    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-     "float16", "float32", "float64"}
-)  # fmt: skip
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    }
+)
 _MAX_DIMS = 8
 
 

@@ -112,7 +112,8 @@ def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int]:
             image = Image.open(io.BytesIO(data), formats=_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise DecompressionBombError(
-            f"image declares too many pixels ({exc}); refused before decoding"
+            f"image declares more pixels than Pillow's own bomb limit, far over "
+            f"Limits.max_pixels ({limits.max_pixels}); refused before decoding ({exc})"
         ) from None
     except UnidentifiedImageError:
         for magic, name in _OTHER_FORMATS:

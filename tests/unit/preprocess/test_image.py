@@ -6,6 +6,7 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
+from preprocess_photos import encode
 
 from preprocess import (
     ImageProfile,
@@ -15,8 +16,6 @@ from preprocess import (
     preprocess_image,
     probe_image,
 )
-
-from preprocess_photos import encode
 
 
 def test_imagenet_tensor_from_real_photo(hd_jpegs: dict[str, bytes]) -> None:
@@ -94,12 +93,17 @@ def test_greyscale_png_and_rgba_png() -> None:
 
     camera = (DATA / "camera.png").read_bytes()
     profile = ImageProfile(
-        name="grey", mode="L", resize_shorter=64, size=(64, 64), fit="center-crop",
-        mean=(0.5,), std=(0.5,),
-    )  # fmt: skip
+        name="grey",
+        mode="L",
+        resize_shorter=64,
+        size=(64, 64),
+        fit="center-crop",
+        mean=(0.5,),
+        std=(0.5,),
+    )
     out = preprocess_image(camera, profile)
     assert out.shape == (1, 64, 64)
-    assert -1.0 <= float(out.min()) and float(out.max()) <= 1.0
+    assert float(out.min()) >= -1.0 and float(out.max()) <= 1.0
     rgba = Image.new("RGBA", (40, 30), (10, 20, 30, 0))
     rgb = preprocess_image(encode(rgba, "PNG"), get_profile("imagenet-224-uint8"))
     assert rgb.shape == (224, 224, 3)
@@ -116,13 +120,16 @@ def test_16_bit_png_is_scaled_not_clipped() -> None:
     ramp = (np.arange(256, dtype=np.uint32) * 257).astype(np.uint16).reshape(16, 16)
     image = Image.fromarray(ramp)
     assert image.mode.startswith("I;16")
-    profile = ImageProfile(name="grey16", mode="L", layout="HWC", dtype="uint8", mean=(0.0,),
-                           std=(1.0,))  # fmt: skip
+    profile = ImageProfile(
+        name="grey16", mode="L", layout="HWC", dtype="uint8", mean=(0.0,), std=(1.0,)
+    )
     out = preprocess_image(encode(image, "PNG"), profile)
     np.testing.assert_array_equal(out[:, :, 0].ravel(), np.arange(256))
 
 
-@pytest.mark.parametrize("name", ["imagenet-224", "imagenet-224-uint8", "letterbox-640", "webp-720"])
+@pytest.mark.parametrize(
+    "name", ["imagenet-224", "imagenet-224-uint8", "letterbox-640", "webp-720"]
+)
 def test_every_registered_profile_runs_on_a_real_jpeg(rocket_jpg: bytes, name: str) -> None:
     profile = get_profile(name)
     out = preprocess_image(rocket_jpg, profile)
