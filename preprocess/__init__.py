@@ -46,7 +46,7 @@ from preprocess.exceptions import (
 )
 from preprocess.image import ImageInfo, decode_image, normalize, preprocess_image, probe_image
 from preprocess.limits import DEFAULT_LIMITS, Limits
-from preprocess.pipeline import encode_image
+from preprocess.pipeline import encode_image, encode_image_file
 from preprocess.profiles import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -93,6 +93,7 @@ __all__ = [
     "decode_image",
     "encode_envelope",
     "encode_image",
+    "encode_image_file",
     "get_profile",
     "list_profiles",
     "normalize",

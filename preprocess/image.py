@@ -126,7 +126,9 @@ def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int]:
             "the file is damaged or of another format"
         ) from None
     except _DECODE_ERRORS as exc:
-        raise CorruptInputError(f"damaged image header: {exc}") from None
+        raise CorruptInputError(
+            f"image header is truncated or damaged ({exc}); re-encode or resend the file"
+        ) from None
     width, height = image.size
     if width <= 0 or height <= 0:
         raise CorruptInputError(f"image header declares an empty {width}x{height} canvas")

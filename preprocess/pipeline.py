@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from preprocess.envelope import CONTENT_TYPE_IMAGE, Encoding, encode_envelope
 from preprocess.image import preprocess_image
 from preprocess.limits import DEFAULT_LIMITS, Limits
 from preprocess.profiles import ImageProfile
 
-__all__ = ["encode_image"]
+__all__ = ["encode_image", "encode_image_file"]
 
 
 def encode_image(
@@ -45,4 +46,23 @@ def encode_image(
         profile=profile.name,
         metadata=metadata,
         webp_quality=profile.webp_quality,
+    )
+
+
+def encode_image_file(
+    path: str,
+    profile: ImageProfile,
+    encoding: Encoding | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> tuple[int, bytes]:
+    """Read an image file and return ``(bytes read, envelope)``; picklable for process pools.
+
+    Raises:
+        PreprocessError: unreadable, too large or bad image; see :func:`encode_image`.
+    """
+    from preprocess.batch import read_input
+
+    data = read_input(path, limits)
+    return len(data), encode_image(
+        data, profile, encoding=encoding, limits=limits, metadata={"source": Path(path).name}
     )
