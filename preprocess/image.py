@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 import numpy.typing as npt
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from preprocess.exceptions import (
     CorruptInputError,
@@ -161,6 +161,23 @@ def probe_image(
     return ImageInfo(str(image.format), image.mode, width, height, orientation)
 
 
+_ORIENT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _orient(image: Image.Image, orientation: int) -> Image.Image:
+    """Apply the EXIF orientation (as ImageOps.exif_transpose, without its copy when upright)."""
+    method = _ORIENT.get(orientation)
+    return image if method is None else image.transpose(method)
+
+
 def _load(image: Image.Image) -> None:
     try:
         image.load()
@@ -195,9 +212,9 @@ def decode_image(
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
-    image, _ = _open(_check_bytes(data, limits), limits)
+    image, orientation = _open(_check_bytes(data, limits), limits)
     _load(image)
-    image = _to_mode(ImageOps.exif_transpose(image), mode)
+    image = _to_mode(_orient(image, orientation), mode)
     array = np.asarray(image, dtype=np.uint8)
     return array[:, :, None] if array.ndim == 2 else array
 
@@ -254,9 +271,9 @@ def _geometry_reference(image: Image.Image, profile: ImageProfile) -> Image.Imag
 
 
 def _pixels_reference(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
-    image, _ = _open(data, limits)
+    image, orientation = _open(data, limits)
     _load(image)
-    image = _to_mode(ImageOps.exif_transpose(image), profile.mode)
+    image = _to_mode(_orient(image, orientation), profile.mode)
     return _geometry_reference(image, profile)
 
 
@@ -280,7 +297,7 @@ def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Im
             # stored_w / scale, the DCT scale factor (1, 2, 4 or 8).
             scale = stored_w / drafted[1][2]
     _load(image)
-    image = _to_mode(ImageOps.exif_transpose(image), profile.mode)
+    image = _to_mode(_orient(image, orientation), profile.mode)
     factor = 1.0 / scale
     crop = _crop_box(resized, profile)
     if crop is not None:
