@@ -43,9 +43,12 @@ __all__ = [
     "webp_encode",
 ]
 
-# Measured in benchmarks/preprocess.py (docs/benchmarks.md): quality 5 is within
-# a few percent of the best ratio at several times the speed of 9-11.
-DEFAULT_BROTLI_QUALITY = 5
+# Chosen for latency, measured in benchmarks/preprocess.py (docs/benchmarks.md):
+# on a 1.35 MB JSON feature payload quality 4 compresses at ~110 MB/s to a
+# ratio of ~4.5 (gzip -6: ~35 MB/s, 4.4); compress + transfer + decompress is
+# within 1% of the best level at 10 Mbit/s and within 10% at 100 Mbit/s.
+# Qualities 9-11 gain 10-20% in size at 5-100x the CPU time.
+DEFAULT_BROTLI_QUALITY = 4
 _CHUNK = 64 * 1024
 
 

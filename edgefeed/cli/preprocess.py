@@ -214,8 +214,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--profile",
                 "-p",
-                help="Image profile: imagenet-224, imagenet-224-fp16, imagenet-224-uint8, "
-                "letterbox-640, webp-720.",
+                help="Image profile: imagenet-224, imagenet-224-fp16, imagenet-224-fast, "
+                "imagenet-224-uint8, letterbox-640, webp-720 (or any registered one).",
             ),
         ] = "imagenet-224",
         encoding: Annotated[
