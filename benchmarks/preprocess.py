@@ -52,6 +52,7 @@ from preprocess import (  # noqa: E402
     PreprocessPool,
     brotli_compress,
     brotli_decompress,
+    encode_image,
     get_profile,
     preprocess_image,
     webp_decode,
@@ -384,6 +385,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['compress_mb_s']:>10.1f} {r['decompress_mb_s']:>12.1f} "
             f"{r['total_ms_10mbit']:>13.1f} {r['total_ms_100mbit']:>14.1f}"
         )
+
+    print("(d) bytes on the wire per 1920x1080 frame (envelope included), mean over the photos")
+    sizes: dict[str, float] = {
+        "raw RGB frame": 1920 * 1080 * 3,
+        "JPEG q90 frame": statistics.mean(len(j) for j in jpegs),
+    }
+    for name in ("imagenet-224", "imagenet-224-fp16", "imagenet-224-uint8", "webp-720"):
+        sizes[name] = statistics.mean(len(encode_image(j, get_profile(name))) for j in jpegs)
+    results["payload_bytes"] = sizes
+    for name, size in sizes.items():
+        print(f"    {name:<20} {size:>10.0f} bytes")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

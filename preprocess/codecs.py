@@ -46,7 +46,7 @@ __all__ = [
 # Chosen for latency, measured in benchmarks/preprocess.py (docs/benchmarks.md):
 # on a 1.35 MB JSON feature payload quality 4 compresses at ~110 MB/s to a
 # ratio of ~4.5 (gzip -6: ~35 MB/s, 4.4); compress + transfer + decompress is
-# within 1% of the best level at 10 Mbit/s and within 10% at 100 Mbit/s.
+# ties the best level at 10 Mbit/s and is within 5% of it at 100 Mbit/s.
 # Qualities 9-11 gain 10-20% in size at 5-100x the CPU time.
 DEFAULT_BROTLI_QUALITY = 4
 _CHUNK = 64 * 1024
