@@ -55,6 +55,7 @@ from preprocess.profiles import (
     list_profiles,
     register_profile,
 )
+from preprocess.settings import PreprocessSettings
 
 __all__ = [
     "CONTENT_TYPE_FEATURES",
@@ -80,6 +81,7 @@ __all__ = [
     "Limits",
     "PreprocessError",
     "PreprocessPool",
+    "PreprocessSettings",
     "UnknownProfileError",
     "UnsupportedInputError",
     "WorkerCrashedError",

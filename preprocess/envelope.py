@@ -148,23 +148,31 @@ class Envelope:
                 f"envelope of {self.content_type!r} holds no array; use to_bytes(), "
                 "to_text(), to_json() or to_arrow()"
             )
-        dtype = np.dtype(self.dtype).newbyteorder("<")
-        expected = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
-        if self.encoding == "raw":
-            array = np.frombuffer(self.payload, dtype=dtype)
-        elif self.encoding == "brotli":
-            raw = brotli_decompress(self.payload, max_output=expected, limits=self.limits)
-            array = np.frombuffer(raw, dtype=dtype)
-        elif self.encoding == "arrow":
-            array = arrow_decode_tensor(self.payload)
-        else:
+        native = np.dtype(self.dtype)
+        wire = native.newbyteorder("<")
+        expected = int(np.prod(self.shape, dtype=np.int64)) * native.itemsize
+        if self.encoding in ("webp", "webp-lossless"):
             return self._webp_array()
-        if array.dtype != dtype.newbyteorder("="):
-            array = array.astype(dtype.newbyteorder("="))
-        if array.size * array.itemsize != expected:
+        if self.encoding == "arrow":
+            array = arrow_decode_tensor(self.payload)
+            if array.dtype != native or array.shape != self.shape:
+                raise EnvelopeError(
+                    f"Arrow tensor is {array.dtype} {array.shape}, the header declares "
+                    f"{self.dtype} {self.shape}"
+                )
+            return array
+        if self.encoding == "brotli":
+            raw = brotli_decompress(self.payload, max_output=expected, limits=self.limits)
+        else:
+            raw = self.payload
+        if len(raw) != expected:
             raise EnvelopeError(
-                f"payload holds {array.size} values, the header declares shape {self.shape}"
+                f"payload decodes to {len(raw)} bytes, the header's shape {self.shape} of "
+                f"{self.dtype} needs {expected}"
             )
+        array = np.frombuffer(raw, dtype=wire)
+        if wire != native:  # big-endian host: swap once into native order
+            array = array.astype(native)
         return array.reshape(self.shape)
 
     def _webp_array(self) -> npt.NDArray[np.uint8]:

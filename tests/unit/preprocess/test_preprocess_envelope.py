@@ -177,7 +177,12 @@ def test_declared_shape_must_match_decoded_payload() -> None:
     data = encode_envelope(
         np.arange(6, dtype=np.int64), content_type=CONTENT_TYPE_TENSOR, encoding="arrow"
     )
-    with pytest.raises(EnvelopeError, match="declares shape"):
-        decode_envelope(_tamper(data, shape=[5])).to_numpy()
-    # The header is checked for consistency when the payload is decoded.
-    assert decode_envelope(_tamper(data, shape=[2, 3])).to_numpy().shape == (2, 3)
+    for changes in ({"shape": [5]}, {"shape": [2, 3]}, {"dtype": "float64"}):
+        with pytest.raises(EnvelopeError, match="the header declares"):
+            decode_envelope(_tamper(data, **changes)).to_numpy()
+    short = encode_envelope(
+        np.arange(6, dtype=np.int64), content_type=CONTENT_TYPE_TENSOR, encoding="brotli"
+    )
+    # 48 decoded bytes against 50 declared: a typed error, not NumPy's bare ValueError.
+    with pytest.raises(EnvelopeError, match="needs"):
+        decode_envelope(_tamper(short, dtype="int16", shape=[25])).to_numpy()
