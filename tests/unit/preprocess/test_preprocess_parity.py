@@ -11,7 +11,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from preprocess_photos import PHOTOS
+from PIL import Image
+from preprocess_photos import PHOTOS, encode, to_hd
 
 from preprocess import ImageProfile, get_profile, preprocess_image
 
@@ -94,3 +95,14 @@ def test_throughput_profile_stays_within_its_looser_tolerance(
     assert errors.mean() <= 2.5
     assert np.percentile(errors, 99) <= 16
     assert errors.max() <= 48
+
+
+def test_reduce_step_on_a_large_png_stays_within_tolerance(photos: dict[str, Image.Image]) -> None:
+    # No draft mode for PNG; a 3840x2160 frame to 224 exercises Image.reduce (factor 4).
+    big = to_hd(photos["motorcycle_left.png"]).resize((3840, 2160), Image.Resampling.BICUBIC)
+    data = encode(big, "PNG", compress_level=1)
+    errors = _errors(data, UINT8_PROFILES["center-crop"])
+    assert errors.max() > 0  # the reduce step did run
+    assert errors.mean() <= MEAN_LEVELS
+    assert np.percentile(errors, 99) <= P99_LEVELS
+    assert errors.max() <= MAX_LEVELS
