@@ -359,7 +359,7 @@ def test_entity_reading_an_uncaptured_table_is_refused() -> None:
     mapping = SETTINGS.model_dump(mode="json")
     mapping["database"]["password"] = "x"
     mapping["entities"][0]["tables"]["public.sessions"] = "user_id"
-    with pytest.raises(SettingsError, match="public.sessions, which no source captures"):
+    with pytest.raises(SettingsError, match=r"public\.sessions, which no source captures"):
         settings_from_mapping(mapping)
 
 
