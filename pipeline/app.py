@@ -27,7 +27,7 @@ from pipeline.features import FeatureEngine
 from pipeline.routing import Router
 from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
 
-__all__ = ["PipelineConfig", "build_region_app", "build_router_app"]
+__all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
 
 log = logging.getLogger("edgefeed.pipeline")
 
@@ -44,6 +44,15 @@ BATCH = Histogram(
     ["app"],
     buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 5000),
 )
+FRESHNESS = Histogram(
+    "edgefeed_pipeline_freshness_seconds",
+    "Source commit to Redis write, per vector written",
+    ["region"],
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
+             1.5, 2.0, 3.0, 5.0, 10.0, 30.0),
+)
+BATCH_SECONDS = Histogram("edgefeed_pipeline_batch_seconds",
+                          "Time to process one batch (state, vectors, Redis write)", ["app"])
 WRITE_SECONDS = Histogram(
     "edgefeed_pipeline_cache_write_seconds",
     "Latency of one pipelined batch write to Redis",
@@ -105,7 +114,7 @@ def _patch_fetch_wait(ms: int) -> None:
     thread_class._edgefeed_fetch_wait_ms = ms
 
 
-def _faust_app(app_id: str, config: PipelineConfig) -> faust.App:
+def faust_app(app_id: str, config: PipelineConfig) -> faust.App:
     kafka, pipeline = config.kafka, config.pipeline
     _patch_fetch_wait(kafka.fetch_max_wait_ms)
     session_s = kafka.session_timeout_ms / 1000.0
@@ -145,7 +154,7 @@ def _dead_letter_headers(reason: str, message: str, event: Any, stage: str) -> d
 def build_router_app(config: PipelineConfig) -> faust.App:
     """The router: Debezium topics in, per-region change topics out (data residency)."""
     app_id = config.pipeline.router_app_id
-    app = _faust_app(app_id, config)
+    app = faust_app(app_id, config)
     router = Router(config.entities, config.tables, config.region_names)
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
     partitions = config.pipeline.partitions
@@ -212,7 +221,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     """One region's feature app: its change topic in, feature vectors into its Redis."""
     region = config.region(region_name)
     app_id = config.pipeline.region_app_id(region_name)
-    app = _faust_app(app_id, config)
+    app = faust_app(app_id, config)
     engine = FeatureEngine(config.entities)
     partitions = config.pipeline.partitions
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
@@ -240,47 +249,55 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             await holder["w"].publish_schemas()
         return holder["w"]
 
+    applied_events = EVENTS.labels(app_id, "applied")
+    duplicate_events = EVENTS.labels(app_id, "duplicate")
+    batch_sizes = BATCH.labels(app_id)
+    batch_seconds = BATCH_SECONDS.labels(app_id)
+
     @app.agent(changes, name="features")
     async def features(stream: Any) -> None:
         async for events in stream.take_events(batch_max, within):
-            BATCH.labels(app_id).observe(len(events))
-            ops: dict[str, Upsert | Delete] = {}
+            started = time.perf_counter()
+            batch_sizes.observe(len(events))
+            # State is updated in place per event; the changelog, the vector and the
+            # cache write happen once per entity per batch.
+            touched: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {}
             for event in events:
-                # Table writes go to the changelog partition of the event at hand.
-                stream._set_current_event(event)
                 try:
                     message = json.loads(event.value)
                     if message.get("op") == "t":
+                        stream._set_current_event(event)
                         _truncate(message, event.message.partition)
                         continue
                     entity = engine.engine(str(message["e"]))
                     key = (event.key or b"").decode()
-                    new_state, changed = entity.apply(state.get(key), message)
+                    seen = touched.get(key)
+                    current = seen[3] if seen is not None else state.get(key)
+                    new_state, changed = entity.apply(current, message)
                     if changed and new_state is not None:
-                        state[key] = new_state
-                        ops[key] = entity.write_op(message["id"], new_state)
-                        EVENTS.labels(app_id, "applied").inc()
+                        touched[key] = (entity, message["id"], event, new_state)
+                        applied_events.inc()
                     else:
-                        EVENTS.labels(app_id, "duplicate").inc()
+                        duplicate_events.inc()
                 except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
                     reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
                     DEAD_LETTERS.labels(app_id, reason).inc()
-                    log.warning(
-                        "dead-lettered %s@%s: %s",
-                        event.message.partition,
-                        event.message.offset,
-                        exc,
-                    )
-                    await dead.send(
-                        key=event.key,
-                        value=event.value,
-                        headers=_dead_letter_headers(
-                            reason, str(exc), event, f"region {region_name}"
-                        ),
-                    )
+                    log.warning("dead-lettered %s@%s: %s", event.message.partition,
+                                event.message.offset, exc)
+                    await dead.send(key=event.key, value=event.value,
+                                    headers=_dead_letter_headers(reason, str(exc), event,
+                                                                 f"region {region_name}"))
+            ops: list[Upsert | Delete] = []
+            for key, (entity, entity_id, event, new_state) in touched.items():
+                entity.prune(new_state)
+                # The changelog record goes to the partition this entity's events came from.
+                stream._set_current_event(event)
+                state[key] = new_state
+                ops.append(entity.write_op(entity_id, new_state))
             stream._set_current_event(None)
-            if ops:
-                await _write(list(ops.values()))
+            if ops or pending_truncates:
+                await _write(ops)
+            batch_seconds.observe(time.perf_counter() - started)
 
     def _truncate(message: dict[str, Any], partition: int) -> None:
         for key in list(state.keys()):
@@ -312,6 +329,10 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             current = newest.get(op.entity, (0, 0))
             newest[op.entity] = max(current, (commit_us, op.position.lsn))
         now_us = int(time.time() * 1_000_000)
+        freshness = FRESHNESS.labels(region_name)
+        for op, written in zip(ops, applied, strict=True):
+            if written:
+                freshness.observe(max(0.0, now_us / 1e6 - float(op.commit_time)))  # type: ignore[arg-type]
         pipe = cache.client.pipeline(transaction=False)
         for entity_name, (commit_us, lsn) in newest.items():
             key = cache.core.layout.freshness_key(entity_name)

@@ -209,7 +209,6 @@ class EntityEngine:
             rows[pk] = [lsn, seq, event_ms, 0, values]
         if gone is not None:
             state["gone"] = None
-        self._prune(state)
         return self._stamp(state, lsn, message["ts"]), True
 
     def truncate(self, state: dict[str, Any], message: Mapping[str, Any]) -> bool:
@@ -232,7 +231,8 @@ class EntityEngine:
         rows = state["rows"].get(table)
         return max(entry[_T] for entry in rows.values()) if rows else None
 
-    def _prune(self, state: dict[str, Any]) -> None:
+    def prune(self, state: dict[str, Any]) -> None:
+        """Drop rows that no window or last-n can use any more (call once per batch)."""
         for table, rows in state["rows"].items():
             needs = self.needs.get(table)
             if needs is None or needs.retention_ms is None or len(rows) <= needs.keep_last:

@@ -309,6 +309,7 @@ def test_old_rows_are_pruned_but_windows_stay_exact() -> None:
     ]
     state = run(messages)
     assert state is not None
+    engine.prune(state)
     # Largest window is 1 day, last_n keeps 5: everything older than a day is gone.
     assert len(state["rows"]["public.events"]) < 30
     assert engine.vector(state)["views_30m"] == 1

@@ -1,0 +1,422 @@
+"""Benchmark of the pipeline (quoted in docs/benchmarks.md).
+
+(a) Events per second one regional worker process sustains: edgefeed's region
+    app (``take_events`` batches, one pipelined Redis round trip per batch)
+    against a plain per-event Faust agent running the same feature engine and
+    writing each vector as it comes (one Redis round trip per event), both
+    consuming the same pre-filled regional change topic in the same run.
+(b) Freshness, PostgreSQL commit -> Redis write, p50 and p99, at a steady rate
+    of changes per second (2,000 by default) written by the demo load
+    generator, with Debezium, the router and one regional worker on this
+    machine; beside it, in the same run, Debezium's own part: commit -> Kafka
+    (the change record's timestamp minus its source commit time).
+
+Everything runs on the real local stack (started here on free ports and
+stopped at the end).
+
+    .venv/bin/python benchmarks/pipeline.py            # full run, ~3 minutes
+    .venv/bin/python benchmarks/pipeline.py --smoke    # a short run that checks it works
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+# This file is named like the package it measures: drop its folder from the path.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE)]
+
+import yaml  # noqa: E402
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
+
+from connectors import deploy  # noqa: E402
+from connectors.client import ConnectClient  # noqa: E402
+from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.pipeline_config import pipeline_config  # noqa: E402
+from edgefeed.settings import EdgefeedSettings, load_settings, settings_from_mapping  # noqa: E402
+from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
+from pipeline.envelope import Change  # noqa: E402
+from pipeline.routing import Router  # noqa: E402
+from pipeline.topics import ensure_topics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
+
+
+def free_port() -> int:
+    while True:
+        port = random.randrange(20000, 32000)  # noqa: S311
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def make_settings(partitions: int, tag: str) -> dict[str, Any]:
+    """The example settings with one region (eu-west), on free ports."""
+    example = yaml.safe_load((ROOT / "examples" / "edgefeed.yaml").read_text())
+    eu = next(r for r in example["regions"] if r["name"] == "eu-west")
+    eu.update(redis_url=f"redis://127.0.0.1:{free_port()}/0", failover=[])
+    return {
+        "kafka": {"bootstrap_servers": f"127.0.0.1:{free_port()}", "session_timeout_ms": 6000,
+                  "fetch_max_wait_ms": 20},
+        "connect": {"url": f"http://127.0.0.1:{free_port()}", "timeout_s": 30},
+        "database": {"host": "127.0.0.1", "port": free_port(), "dbname": "edgefeed",
+                     "user": "postgres", "password": "bench-secret"},
+        "regions": [eu],
+        "sources": [{**example["sources"][0], "name": f"bench_{tag}", "snapshot_mode": "no_data"}],
+        "entities": example["entities"],
+        "pipeline": {**example["pipeline"], "partitions": partitions,
+                     "app_prefix": f"bench-{tag}"},
+    }
+
+
+# -- the plain per-event baseline ------------------------------------------------------------
+
+
+def plain_worker(settings_file: str, region: str) -> None:
+    """A plain Faust agent: one event at a time, one Redis write per event."""
+    import faust
+    from prometheus_client import start_http_server
+
+    from edge_cache import AsyncFeatureWriter
+    from pipeline.app import EVENTS, faust_app
+    from pipeline.features import FeatureEngine
+
+    settings = load_settings(settings_file)
+    config = pipeline_config(settings, check_database=False)
+    app = faust_app(settings.pipeline.region_app_id(region) + "-plain", config)
+    engine = FeatureEngine(config.entities)
+    topic = app.topic(settings.pipeline.region_topic(region), key_serializer="raw",
+                      value_serializer="raw")
+    table = app.Table("entities", partitions=settings.pipeline.partitions, key_type=str)
+    writer: dict[str, AsyncFeatureWriter] = {}
+
+    @app.agent(topic)
+    async def per_event(stream: Any) -> None:
+        async for event in stream.events():
+            if "w" not in writer:
+                writer["w"] = AsyncFeatureWriter.from_region(settings.region(region),
+                                                             engine.schemas)
+            message = json.loads(event.value)
+            key = event.key.decode()
+            entity = engine.engine(message["e"])
+            state, changed = entity.apply(table.get(key), message)
+            if changed and state is not None:
+                table[key] = state
+                await writer["w"].write([entity.write_op(message["id"], state)])
+            EVENTS.labels("plain", "applied").inc()
+
+    start_http_server(int(os.environ["BENCH_METRICS_PORT"]), addr="127.0.0.1")
+    faust.Worker(app, loglevel="warning", quiet=True).execute_from_commandline()
+
+
+# -- (a) throughput ---------------------------------------------------------------------------
+
+
+def scrape(port: int, name: str) -> dict[str, float]:
+    """Prometheus samples of metric ``name`` (labels joined) from a worker."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:  # noqa: S310
+        text = answer.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def processed(port: int) -> float:
+    try:
+        samples = scrape(port, "edgefeed_pipeline_events_total")
+    except OSError:
+        return 0.0
+    return sum(v for k, v in samples.items() if "applied" in k or "duplicate" in k)
+
+
+def regional_messages(settings: EdgefeedSettings, count: int) -> list[tuple[bytes, bytes]]:
+    """What the router sends eu-west for ``count`` view/click/purchase events."""
+    router = Router(settings.entities, settings.tables(), settings.region_names)
+    rng = random.Random(3)
+    messages: list[tuple[bytes, bytes]] = []
+    base_us = int(time.time() * 1e6)
+    lsn = 1000
+    for i in range(count):
+        lsn += 1
+        user, item = rng.randrange(1, 301), rng.randrange(1, 101)
+        row = {"event_id": i + 1, "user_id": user, "item_id": item, "category_id": item % 12,
+               "price": "12.50", "home_region": "eu-west",
+               "kind": rng.choice(("view", "view", "click", "purchase")),
+               "occurred_at": base_us + i * 1000}
+        change = Change("public.events", "c", None, row, lsn, 0, base_us // 1000)
+        for routed in router.route(change):
+            if routed.key is not None:
+                messages.append((routed.key.encode(), json.dumps(routed.value).encode()))
+    return messages
+
+
+def throughput(settings: EdgefeedSettings, settings_file: Path, events: int,
+               state: Path) -> dict[str, float]:
+    messages = regional_messages(settings, events)
+    topic = settings.pipeline.region_topic("eu-west")
+
+    async def fill() -> None:
+        await ensure_topics(settings.kafka.bootstrap_servers,
+                            {topic: settings.pipeline.partitions,
+                             settings.pipeline.dead_letter_topic: 1})
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap_servers,
+                                    linger_ms=5, max_batch_size=1 << 20)
+        await producer.start()
+        try:
+            for key, value in messages:
+                await producer.send(topic, value, key=key)
+            await producer.flush()
+        finally:
+            await producer.stop()
+
+    asyncio.run(fill())
+    results: dict[str, float] = {}
+    for variant in ("plain", "edgefeed"):
+        port = free_port()
+        env = {**os.environ, "BENCH_METRICS_PORT": str(port)}
+        if variant == "plain":
+            argv = [sys.executable, __file__, "--plain-worker", str(settings_file)]
+        else:
+            argv = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run",
+                    "--region", "eu-west", "--metrics-port", str(port), "--loglevel", "warning"]
+        log = open(state / f"{variant}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            total = len(messages)
+            deadline = time.monotonic() + 600
+            low, high = 0.1 * total, 0.9 * total
+            t_low = t_high = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                done = processed(port)
+                now = time.monotonic()
+                if t_low is None and done >= low:
+                    t_low, n_low = now, done
+                if done >= high:
+                    t_high, n_high = now, done
+                    break
+                time.sleep(0.05)
+            if t_low is None or t_high is None:
+                raise SystemExit(f"{variant} worker did not get through the topic; see "
+                                 f"{state / (variant + '.log')}")
+            results[variant] = (n_high - n_low) / (t_high - t_low)
+            if variant == "edgefeed":
+                sizes = scrape(port, "edgefeed_pipeline_batch_size")
+                spent = scrape(port, "edgefeed_pipeline_batch_seconds")
+                count = next((v for k, v in sizes.items() if k.startswith(
+                    "edgefeed_pipeline_batch_size_count")), 0.0)
+                total_events = next((v for k, v in sizes.items() if k.startswith(
+                    "edgefeed_pipeline_batch_size_sum")), 0.0)
+                busy = next((v for k, v in spent.items() if k.startswith(
+                    "edgefeed_pipeline_batch_seconds_sum")), 0.0)
+                results["mean_batch"] = total_events / count if count else 0.0
+                results["busy_share"] = busy * results[variant] / max(total_events, 1.0)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            log.close()
+    results["speedup"] = results["edgefeed"] / results["plain"]
+    results["messages"] = float(len(messages))
+    return results
+
+
+# -- (b) freshness ----------------------------------------------------------------------------
+
+
+def histogram_quantiles(port: int, region: str, quantiles: tuple[float, ...]) -> dict[str, Any]:
+    samples = scrape(port, "edgefeed_pipeline_freshness_seconds_bucket")
+    buckets = sorted(
+        (float("inf") if 'le="+Inf"' in k else float(k.split('le="')[1].split('"')[0]), v)
+        for k, v in samples.items() if f'region="{region}"' in k
+    )
+    total = buckets[-1][1] if buckets else 0.0
+    out: dict[str, Any] = {"count": total}
+    for q in quantiles:
+        target = q * total
+        previous_le, previous_count = 0.0, 0.0
+        value = float("nan")
+        for le, count in buckets:
+            if count >= target:
+                if le == float("inf"):
+                    value = previous_le
+                else:  # linear interpolation inside the bucket, as histogram_quantile does
+                    share = (target - previous_count) / max(count - previous_count, 1e-9)
+                    value = previous_le + (le - previous_le) * share
+                break
+            previous_le, previous_count = le, count
+        out[f"p{int(q * 100)}_ms"] = value * 1000
+    return out
+
+
+class KafkaLatency(threading.Thread):
+    """Commit -> Kafka of the change records (Debezium's part), measured on the side."""
+
+    def __init__(self, bootstrap: list[str], topic: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic = bootstrap, topic
+        self.samples: list[float] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        asyncio.run(self._consume())
+
+    async def _consume(self) -> None:
+        consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=self.bootstrap,
+                                    auto_offset_reset="latest", fetch_max_wait_ms=20)
+        await consumer.start()
+        try:
+            while not self.stop_event.is_set():
+                batch = await consumer.getmany(timeout_ms=200, max_records=5000)
+                for records in batch.values():
+                    for record in records:
+                        if record.value:
+                            source = json.loads(record.value)["source"]
+                            self.samples.append(record.timestamp - source["ts_ms"])
+        finally:
+            await consumer.stop()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def freshness(settings: EdgefeedSettings, settings_file: Path, stack: DevStack, rate: float,
+              seconds: float) -> dict[str, Any]:
+    apply_schema(settings.database.dsn())
+    with ConnectClient(settings.connect.url, timeout_s=30) as client:
+        deploy.apply(client, settings.database, settings.sources, wait_s=120)
+    port = free_port()
+    base = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run", "--loglevel", "info"]
+    stack.start_app("router", [*base, "--role", "router"], ready="Worker]: Ready",
+                    timeout_s=180)
+    stack.start_app("eu-west", [*base, "--region", "eu-west", "--metrics-port", str(port)],
+                    ready="Worker]: Ready", timeout_s=180)
+    load = ShopLoad(settings.database.dsn(), settings.region_names)
+    load.seed_rows()
+    side = KafkaLatency(settings.kafka.bootstrap_servers,
+                        settings.sources[0].topic_for("public.events"))
+    side.start()
+    time.sleep(1.0)
+    before = histogram_quantiles(port, "eu-west", (0.5, 0.99))["count"]
+    result = load.run(rate, seconds)
+    time.sleep(3.0)  # drain
+    side.stop_event.set()
+    side.join(timeout=10)
+    quantiles = histogram_quantiles(port, "eu-west", (0.5, 0.99))
+    return {
+        "rate_asked": rate,
+        "rate_written": round(result.rate, 1),
+        "seconds": round(result.elapsed_s, 1),
+        "vectors_written": quantiles["count"] - before,
+        "commit_to_redis_p50_ms": round(quantiles["p50_ms"], 1),
+        "commit_to_redis_p99_ms": round(quantiles["p99_ms"], 1),
+        "commit_to_kafka_p50_ms": percentile(side.samples, 0.5),
+        "commit_to_kafka_p99_ms": percentile(side.samples, 0.99),
+        "kafka_samples": len(side.samples),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a short run that checks it works")
+    parser.add_argument("--events", type=int, default=30000, help="(a) source events")
+    parser.add_argument("--rate", type=float, default=2000.0, help="(b) changes per second")
+    parser.add_argument("--seconds", type=float, default=30.0, help="(b) seconds of load")
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--batch-max", type=int, default=None,
+                        help="pipeline.batch_max (default: the example settings')")
+    parser.add_argument("--batch-within-ms", type=int, default=None,
+                        help="pipeline.batch_within_ms (default: the example settings')")
+    parser.add_argument("--part", choices=("a", "b", "both"), default="both",
+                        help="run only (a) throughput or (b) freshness")
+    parser.add_argument("--plain-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plain_worker:
+        plain_worker(args.plain_worker, "eu-west")
+        return
+    if args.smoke:
+        args.events, args.rate, args.seconds = 600, 200.0, 3.0
+    tag = f"{os.getpid()}"
+    state = Path(tempfile.mkdtemp(prefix="edgefeed-bench-"))
+    state.chmod(0o755)
+    mapping = make_settings(partitions=2, tag=tag)
+    if args.batch_max is not None:
+        mapping["pipeline"]["batch_max"] = args.batch_max
+    if args.batch_within_ms is not None:
+        mapping["pipeline"]["batch_within_ms"] = args.batch_within_ms
+    settings = settings_from_mapping(mapping)
+    settings_file = state / "edgefeed.yaml"
+    settings_file.write_text(yaml.safe_dump(mapping))
+    # (b) gets topics and consumer groups of its own: nothing left over from (a).
+    fresh_mapping = {**mapping, "pipeline": {**mapping["pipeline"],
+                                             "app_prefix": f"bench-{tag}-fresh",
+                                             "region_topic_prefix": f"bench.{tag}.fresh"}}
+    fresh_settings = settings_from_mapping(fresh_mapping)
+    fresh_file = state / "edgefeed-fresh.yaml"
+    fresh_file.write_text(yaml.safe_dump(fresh_mapping))
+    stack = DevStack(settings, state / "stack")
+    report: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                   f"{platform.python_version()}",
+    }
+    try:
+        stack.up()
+        apply_schema(settings.database.dsn())
+        if args.part in ("a", "both"):
+            report["throughput"] = throughput(settings, settings_file, args.events, state)
+        if args.part in ("b", "both"):
+            report["freshness"] = freshness(fresh_settings, fresh_file, stack, args.rate,
+                                            args.seconds)
+    finally:
+        stack.down()
+        if not os.environ.get("EDGEFEED_BENCH_KEEP"):
+            shutil.rmtree(state, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"machine: {report['machine']}")
+    if "throughput" in report:
+        t = report["throughput"]
+        print(f"(a) one regional worker, {t['messages']:.0f} regional messages:")
+        print(f"    plain per-event Faust agent: {t['plain']:9.0f} events/s")
+        print(f"    edgefeed region app:         {t['edgefeed']:9.0f} events/s   "
+              f"= {t['speedup']:.1f}x (target >= 5x)")
+        print(f"    (mean batch {t.get('mean_batch', 0):.0f} events; share of time in the "
+              f"agent's own work {t.get('busy_share', 0):.0%})")
+    if "freshness" not in report:
+        return
+    f = report["freshness"]
+    print(f"(b) freshness at {f['rate_written']:.0f} changes/s for {f['seconds']}s "
+          f"({f['vectors_written']:.0f} vectors written):")
+    print(f"    commit -> Redis: p50 {f['commit_to_redis_p50_ms']:.0f} ms, "
+          f"p99 {f['commit_to_redis_p99_ms']:.0f} ms (target p99 < 500 ms)")
+    print(f"    commit -> Kafka (Debezium alone): p50 {f['commit_to_kafka_p50_ms']:.0f} ms, "
+          f"p99 {f['commit_to_kafka_p99_ms']:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
