@@ -209,3 +209,55 @@ def make_table(
     yield factory
     for name in created:
         pg_conn.execute(f"DROP TABLE IF EXISTS public.{name}")
+
+
+async def read_topic(
+    bootstrap: list[str], topic: str, *, count: int, deadline_s: float = 60
+) -> list[tuple[bytes | None, bytes | None]]:
+    """Read ``count`` records (key, value) from the start of ``topic``, waiting for it to exist."""
+    import time
+
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=20,
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    records: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        deadline = time.monotonic() + deadline_s
+        while topic not in await consumer.topics():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"topic {topic} did not appear within {deadline_s}s")
+            await asyncio.sleep(0.2)
+        consumer.subscribe([topic])
+        while len(records) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{len(records)} of {count} records on {topic} within {deadline_s}s"
+                )
+            batch = await consumer.getmany(timeout_ms=300)
+            for partition_records in batch.values():
+                records.extend((r.key, r.value) for r in partition_records)
+    finally:
+        await consumer.stop()
+    return records
+
+
+def drop_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str, publication: str) -> None:
+    """Drop a replication slot (waiting for its connector to let go) and its publication."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            break
+        except psycopg.errors.ObjectInUse:
+            time.sleep(0.2)
+        except psycopg.errors.UndefinedObject:
+            break
+    conn.execute(f'DROP PUBLICATION IF EXISTS "{publication}"')

@@ -366,9 +366,10 @@ class ConnectService(Service):
             "producer.enable.metrics.push": "false",
             "consumer.enable.metrics.push": "false",
             "admin.enable.metrics.push": "false",
-            "config.providers": "env,file",
+            "config.providers": "env,file,dir",
             "config.providers.env.class": f"{_PROVIDERS}.EnvVarConfigProvider",
             "config.providers.file.class": f"{_PROVIDERS}.FileConfigProvider",
+            "config.providers.dir.class": f"{_PROVIDERS}.DirectoryConfigProvider",
         }
         (self.home / "worker.properties").write_text(
             "".join(f"{key}={value}\n" for key, value in props.items())
