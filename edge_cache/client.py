@@ -20,10 +20,12 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
 from edge_cache.exceptions import (
     ConfigError,
@@ -40,7 +42,16 @@ from edge_cache.settings import RegionSettings
 
 __all__ = ["AsyncFeatureClient", "FeatureClient", "HasRegions", "LookupCore"]
 
-_FAILURES = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+# What makes a region "failed" (breaker, failover): no answer, or a cluster that cannot serve.
+_FAILURES = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterError,
+    RedisClusterException,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
 _MAX_PROJECTIONS = 1024
 
 
@@ -383,11 +394,10 @@ class FeatureClient(_Base):
             settings = self.core.regions[name]
             options = _pool_options(timeout_s)
             if settings.cluster:
-                self.clients[name] = redis.RedisCluster.from_url(settings.redis_url, **options)
-            else:
-                if name == region and self.listener is not None:
-                    options["redis_connect_func"] = self._tracking_hook()
-                self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
+                continue  # a cluster client connects when built: see _client
+            if name == region and self.listener is not None:
+                options["redis_connect_func"] = self._tracking_hook()
+            self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
         if self.listener is not None:
             self.listener.start()
 
@@ -450,8 +460,25 @@ class FeatureClient(_Base):
             return result
         raise core.unavailable(plan, attempts, refused)
 
+    def _client(self, name: str) -> redis.Redis | redis.RedisCluster:
+        client = self.clients.get(name)
+        if client is None:
+            # A cluster client discovers the slots when built: build it on first use, so
+            # an unreachable fallback cluster is a failed read, not a failed constructor.
+            url = self.core.regions[name].redis_url
+            # Probe the seed node first: a RedisCluster whose discovery fails leaks its
+            # socket, and most failures (node down or hanging) show up right here.
+            with redis.Redis.from_url(url, **_pool_options(self.timeout_s)) as probe:
+                probe.ping()
+            try:
+                client = redis.RedisCluster.from_url(url, **_pool_options(self.timeout_s))
+            except RedisClusterException as exc:
+                raise RedisConnectionError(f"cluster of region {name!r}: {exc}") from exc
+            self.clients[name] = client
+        return client
+
     def _fetch(self, name: str, keys: list[str]) -> tuple[list[bytes | None], int]:
-        client = self.clients[name]
+        client = self._client(name)
         near = self.near
         if near is None or name != self.region or not near.active:
             if isinstance(client, redis.RedisCluster):
@@ -472,7 +499,7 @@ class FeatureClient(_Base):
         return values, len(keys) - len(misses)
 
     def _learn(self, name: str, plan: _Plan, raws: list[bytes | None], decoded: Decoded) -> Decoded:
-        client = self.clients[name]
+        client = self._client(name)
         for version, fingerprint in decoded.needs:
             document = client.get(self.core.layout.schema_key(plan.schema.entity, version))
             plan.reader.learn(version, fingerprint, document)
@@ -483,7 +510,7 @@ class FeatureClient(_Base):
         if self.listener is not None:
             self.listener.stop()
         for client in self.clients.values():
-            client.close()
+            close_client(client)
 
     def __enter__(self) -> FeatureClient:
         return self

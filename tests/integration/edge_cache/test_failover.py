@@ -142,3 +142,30 @@ async def test_async_personal_refused_and_shared_fails_over(
             await client.get("profile", ["u1"])
         result = await client.get("item", ["sku"])
         assert result.region == "us-east"
+
+
+def test_unreachable_cluster_region_fails_over(
+    regions: list[RegionSettings],
+    cluster_region: RegionSettings,
+    make_writer: Callable[..., FeatureWriter],
+    black_hole: Any,
+) -> None:
+    """A cluster home region that hangs is a failed read (the client still builds), and
+    a healthy cluster serves as a fallback too."""
+    _seed(regions, make_writer)
+    make_writer(cluster_region, [ITEM]).upsert(
+        "item", "sku", {"ctr": 0.25, "price": 1.0}, Position(1), time.time()
+    )
+    dead = cluster_region.model_copy(
+        update={"redis_url": f"redis://127.0.0.1:{black_hole.port}/0", "failover": ["us-east"]}
+    )
+    with FeatureClient("eu-west", [dead, regions[1]], [ITEM], timeout_s=0.2) as client:
+        assert client.get("item", ["sku"]).region == "us-east"
+    cluster_backup = cluster_region.model_copy(update={"name": "us-east", "residency_zone": "us"})
+    home = regions[0].model_copy(
+        update={"redis_url": f"redis://127.0.0.1:{black_hole.port}/0", "failover": ["us-east"]}
+    )
+    with FeatureClient("eu-west", [home, cluster_backup], [ITEM], timeout_s=0.2) as client:
+        result = client.get("item", ["sku"])
+        assert result.region == "us-east"
+        assert result.to_dicts() == [{"ctr": 0.25, "price": 1.0}]
