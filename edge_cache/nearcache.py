@@ -12,8 +12,9 @@ Guarantees: an entry is served only while it is younger than the TTL and only
 while the invalidation connection is up; an invalidation that arrives while a
 read of the same key is in flight prevents that read from filling the cache
 (reserve/fill tokens); when the invalidation connection drops, the whole cache
-is flushed and disabled until it is back and the data connections have been
-re-pointed at it.
+is flushed and disabled until it is back; a data connection that was not
+re-pointed at the new invalidation connection is reconnected before its next
+near-cached read.
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ class NearCache:
         self._lock = threading.Lock()
         self.generation = 0
         self.active = False  # True only while invalidations can reach us
-        self.reset_needed = False  # data connections must be re-pointed at the listener
         self.invalidations = 0
 
     def __len__(self) -> int:
@@ -147,8 +147,6 @@ class NearCache:
             self._data.clear()
             self._pending.clear()
             self.generation += 1
-            if active:
-                self.reset_needed = True
             self.active = active
 
 
