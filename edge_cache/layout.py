@@ -195,6 +195,12 @@ class KeyLayout:
         """The registry key of one schema version (``ef:schema:user:2``)."""
         return f"{self.namespace}:schema:{entity}:{version}"
 
+    def freshness_key(self, entity: str) -> str:
+        """The HASH where the pipeline records, per entity type, the source commit
+        time (``commit_us``), write time (``write_us``) and ``lsn`` of the newest
+        vector written (``ef:freshness:user``)."""
+        return f"{self.namespace}:freshness:{entity}"
+
 
 _PLAIN_ID_TYPES = frozenset({str, int})
 

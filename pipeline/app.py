@@ -196,8 +196,8 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
                         key_serializer="raw", value_serializer="raw")
     dead = app.topic(config.pipeline.dead_letter_topic, partitions=1,
                      key_serializer="raw", value_serializer="raw")
-    state = app.Table("entities", partitions=partitions, key_serializer="raw",
-                      value_serializer="json")
+    # Keys are the raw message keys (``entity:id``); values JSON (the app's defaults).
+    state = app.Table("entities", partitions=partitions)
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
     holder: dict[str, AsyncFeatureWriter] = {}
@@ -276,7 +276,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             pipe.hset(key, mapping={"commit_us": commit_us, "write_us": now_us, "lsn": lsn})
         await pipe.execute()
 
-    @app.timer(interval=1.0)
+    @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
     async def flush_truncates() -> None:
         if pending_truncates:
             await _write([])

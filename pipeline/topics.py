@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -28,10 +29,9 @@ async def ensure_topics(
             if name not in existing
         ]
         if missing:
-            try:
+            # Created meanwhile by another process: fine.
+            with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass  # created meanwhile by another process: fine
         return [topic.name for topic in missing]
     finally:
         await admin.close()
