@@ -412,7 +412,7 @@ class FeatureClient(_Base):
                 options["redis_connect_func"] = self._tracking_hook()
             self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
         if self.listener is not None:
-            self.listener.start()
+            self.listener.start(wait_s=timeout_s)  # a dead region costs at most one timeout
 
     @classmethod
     def from_settings(
@@ -569,7 +569,7 @@ class AsyncFeatureClient(_Base):
                     options["redis_connect_func"] = self._async_tracking_hook()
                 self.clients[name] = aioredis.Redis.from_url(settings.redis_url, **options)
         if self.listener is not None:
-            self.listener.start()
+            self.listener.start(wait_s=timeout_s)  # a dead region costs at most one timeout
 
     def _async_tracking_hook(self) -> Any:
         listener = self.listener

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,20 +52,35 @@ def _failures(region: str, reason: str) -> float:
     return STATS.failure_count(region, reason)
 
 
+def _refusing_port() -> int:
+    """A loopback port nobody listens on: connections are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("failure", ["hangs", "refuses"])
 def test_personal_features_never_leave_residency_zone(
-    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter], black_hole: Any
+    regions: list[RegionSettings],
+    make_writer: Callable[..., FeatureWriter],
+    black_hole: Any,
+    failure: str,
 ) -> None:
     _seed(regions, make_writer)  # every region holds the entity, so a leak would succeed
     before = {r.name: _mget_calls(r) for r in regions[1:]}
-    with FeatureClient(
-        "eu-west", _dead_home(regions, black_hole), [PROFILE, ITEM], timeout_s=0.2
-    ) as client:
+    if failure == "hangs":
+        dead = _dead_home(regions, black_hole)
+    else:
+        url = f"redis://127.0.0.1:{_refusing_port()}/0"
+        dead = [regions[0].model_copy(update={"redis_url": url}), *regions[1:]]
+    with FeatureClient("eu-west", dead, [PROFILE, ITEM], timeout_s=0.2) as client:
         with pytest.raises(RegionUnavailableError) as error:
             client.get("profile", ["u1"])
         message = str(error.value)
         assert "personal entity type 'profile'" in message
         assert "residency zone 'eu'" in message
-        assert "eu-west: timed out" in message
+        reason = "timed out" if failure == "hangs" else "connection failed"
+        assert f"eu-west: {reason}" in message
         assert "us-east: not tried" in message and "ap-southeast: not tried" in message
         assert error.value.retryable
         # shared features of the same client do fail over
