@@ -29,6 +29,7 @@ from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
 from edge_cache.exceptions import (
     ConfigError,
+    InvalidValueError,
     RegionUnavailableError,
     UnknownEntityError,
     UnknownFeatureError,
@@ -74,9 +75,12 @@ class _Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than 
 def _seconds(value: float | timedelta | None, what: str) -> float | None:
     if value is None:
         return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
     if not seconds >= 0:
-        raise ConfigError(
+        raise InvalidValueError(
             f"{what}={value!r} must be a non-negative number of seconds or a timedelta"
         )
     return seconds
@@ -148,6 +152,14 @@ class LookupCore:
         return self._routes[schema.personal]
 
     def projection(self, entity: str, features: Sequence[str] | None) -> Projection:
+        """The resolved feature list (cached: names are resolved once per list).
+
+        Raises:
+            UnknownEntityError: no schema for ``entity``.
+            UnknownFeatureError: a name is not in the schema; the message lists the valid ones.
+        """
+        if isinstance(features, str):
+            features = (features,)
         key = (entity, tuple(features) if features is not None else None)
         found = self._projections.get(key)
         if found is not None:
@@ -157,8 +169,6 @@ class LookupCore:
         if features is None:
             names = schema.names
         else:
-            if isinstance(features, str):
-                features = (features,)
             names = tuple(features)
             unknown = [n for n in names if schema.position(n) is None]
             if unknown:
@@ -174,6 +184,7 @@ class LookupCore:
         return projection
 
     def reader(self, entity: str) -> RecordReader:
+        """The value reader of ``entity`` (raises :class:`UnknownEntityError`)."""
         reader = self.readers.get(entity)
         if reader is None:
             raise UnknownEntityError(
@@ -192,9 +203,11 @@ class LookupCore:
         """Validate a call and resolve everything it needs but I/O."""
         reader = self.reader(entity)
         projection = self.projection(entity, features)
-        id_tuple = tuple(ids.tolist()) if isinstance(ids, np.ndarray) else tuple(ids)
         if isinstance(ids, str | bytes):
-            raise ConfigError(f"ids must be a sequence of ids, got the single value {ids!r}")
+            raise InvalidValueError(
+                f"ids must be a sequence of ids, got the single value {ids!r}; pass [{ids!r}]"
+            )
+        id_tuple = tuple(ids.tolist()) if isinstance(ids, np.ndarray) else tuple(ids)
         staleness = None if max_staleness is None else _seconds(max_staleness, "max_staleness")
         return _Plan(
             reader.schema,
@@ -208,6 +221,7 @@ class LookupCore:
     def assemble(
         self, plan: _Plan, region: str, decoded: Decoded, near_hits: int
     ) -> FeatureVectors:
+        """The result of a call from the values ``region`` returned."""
         return build_vectors(
             entity=plan.schema.entity,
             ids=plan.ids,
@@ -239,11 +253,13 @@ class LookupCore:
             STATS.fallback(home, result.region, entity)
 
     def failed(self, region: str, reason: str) -> None:
+        """Count a failed (or skipped) read from ``region``."""
         STATS.failure(region, reason)
 
     def unavailable(
         self, plan: _Plan, attempts: list[tuple[str, str]], refused: list[tuple[str, str]]
     ) -> RegionUnavailableError:
+        """The error of a call no region could serve, naming every region and why."""
         schema = plan.schema
         every = tuple(attempts + refused)
         kind = (

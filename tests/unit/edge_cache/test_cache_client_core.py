@@ -9,6 +9,7 @@ from edge_cache import (
     CircuitBreaker,
     ConfigError,
     FeatureSchema,
+    InvalidValueError,
     NearCacheConfig,
     RegionSettings,
     UnknownEntityError,
@@ -59,9 +60,11 @@ def test_core_errors() -> None:
         core.plan("users", [1], None, None)
     with pytest.raises(UnknownFeatureError, match=r"'d', 'e'.*valid: a, b, c"):
         core.plan("user", [1], ["a", "d", "e"], None)
-    with pytest.raises(ConfigError, match="max_staleness"):
+    with pytest.raises(InvalidValueError, match="max_staleness"):
         core.plan("user", [1], None, -1)
-    with pytest.raises(ConfigError, match="single value"):
+    with pytest.raises(InvalidValueError, match="max_staleness"):
+        core.plan("user", [1], None, "soon")  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError, match=r"single value 'abc'; pass \['abc'\]"):
         core.plan("user", "abc", None, None)  # type: ignore[arg-type]
 
 
@@ -72,6 +75,11 @@ def test_projection_resolved_once_and_matrix_dtype() -> None:
     assert first.positions.tolist() == [2, 0]
     assert first.matrix_dtype == np.float32
     assert core.projection("item", None).matrix_dtype == np.float64
+    # a single name is one feature, not its letters (and does not poison the cache)
+    schema = FeatureSchema.of("t", ["abc", "a", "b", "c"])
+    core = LookupCore("eu-west", REGIONS, [schema])
+    assert core.projection("t", "abc").names == ("abc",)
+    assert core.projection("t", ["a", "b", "c"]).names == ("a", "b", "c")
 
 
 def test_breaker_opens_probes_and_closes() -> None:
