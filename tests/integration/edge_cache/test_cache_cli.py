@@ -17,6 +17,7 @@ from edgefeed.lookup import feature_schemas
 from edgefeed.settings import load_settings
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "edgefeed.yaml"
 

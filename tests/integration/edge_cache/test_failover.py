@@ -22,6 +22,7 @@ from edge_cache import (
 from edge_cache.metrics import STATS
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 PROFILE = FeatureSchema.of("profile", ["age_bucket", "spend_30d"], personal=True)
 ITEM = FeatureSchema.of("item", ["ctr", "price"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "lookup.py"
 

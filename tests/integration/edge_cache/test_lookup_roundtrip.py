@@ -24,6 +24,7 @@ from edge_cache import (
 )
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 ITEM = FeatureSchema(
     "item",

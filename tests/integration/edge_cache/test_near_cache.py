@@ -20,6 +20,7 @@ from edge_cache import (
 )
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 USER = FeatureSchema.of("user", ["a", "b"])
 NEAR = NearCacheConfig(max_entries=1000, ttl_s=60)
