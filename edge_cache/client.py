@@ -11,10 +11,12 @@ metrics. The faces only read bytes: one ``MGET`` per call on a single server
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
@@ -36,7 +38,7 @@ from edge_cache.exceptions import (
 )
 from edge_cache.layout import Decoded, KeyLayout, RecordReader
 from edge_cache.metrics import STATS
-from edge_cache.nearcache import InvalidationListener, NearCache, NearCacheConfig
+from edge_cache.nearcache import InvalidationListener, ListenerGroup, NearCache, NearCacheConfig
 from edge_cache.result import FeatureVectors, Projection, build_vectors
 from edge_cache.schema import FeatureSchema
 from edge_cache.settings import RegionSettings
@@ -54,6 +56,8 @@ _FAILURES = (
     OSError,
 )
 _MAX_PROJECTIONS = 1024
+
+log = logging.getLogger(__name__)
 
 
 class HasRegions(Protocol):
@@ -330,6 +334,24 @@ async def _amget(
         await pool.release(connection)
 
 
+def _cluster_primaries(url: str, timeout_s: float) -> list[str]:
+    """URLs (same scheme, credentials and database as ``url``) of the cluster's primaries."""
+    options = _pool_options(timeout_s)
+    with redis.Redis.from_url(url, **options) as probe:  # see FeatureClient._client
+        probe.ping()
+    cluster = redis.RedisCluster.from_url(url, **options)
+    try:
+        nodes = [(node.host, node.port) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
+    finally:
+        close_client(cluster)
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return [
+        urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))
+        for host, port in nodes
+    ]
+
+
 class _Base:
     def __init__(
         self,
@@ -356,15 +378,45 @@ class _Base:
             for name in names
         }
         self.near: NearCache | None = None
-        self.listener: InvalidationListener | None = None
+        self.listener: InvalidationListener | None = None  # single server
+        self.listeners: list[InvalidationListener] = []  # every one, cluster included
         if near_cache is not None:
-            if self.core.home.cluster:
-                raise ConfigError(
-                    f"near cache is supported on single-server regions; {region!r} is a cluster. "
-                    "Pass near_cache=None"
-                )
             self.near = NearCache(near_cache)
-            self.listener = InvalidationListener(self.core.home.redis_url, self.near)
+            if self.core.home.cluster:
+                self.listeners = self._cluster_listeners(self.near)
+            else:
+                self.listener = InvalidationListener(self.core.home.redis_url, self.near)
+                self.listeners = [self.listener]
+
+    def _cluster_listeners(self, near: NearCache) -> list[InvalidationListener]:
+        """One broadcast-mode listener per primary of the home cluster: it is told of
+        every write under the entity prefixes on its node, so reads need no hook."""
+        url = self.core.home.redis_url
+        try:
+            primaries = _cluster_primaries(url, self.timeout_s)
+        except _FAILURES as exc:
+            log.warning(
+                "near cache of %s stays off: cannot list the cluster's primaries (%s)",
+                self.region,
+                exc,
+            )
+            return []
+        prefixes = [self.core.layout.prefix(entity) for entity in self.core.readers]
+        group = ListenerGroup(near, len(primaries))
+        return [
+            InvalidationListener(
+                node_url, near, bcast_prefixes=prefixes, on_state=group.on_state(index)
+            )
+            for index, node_url in enumerate(primaries)
+        ]
+
+    def _start_listeners(self) -> None:
+        # started together, waited for together: a dead region costs at most one timeout
+        deadline = time.monotonic() + self.timeout_s
+        for listener in self.listeners:
+            listener.start(wait_s=0)
+        for listener in self.listeners:
+            listener.wait(max(0.0, deadline - time.monotonic()))
 
     def _tracking_hook(self) -> Any:
         listener = self.listener
@@ -427,8 +479,7 @@ class FeatureClient(_Base):
             if name == region and self.listener is not None:
                 options["redis_connect_func"] = self._tracking_hook()
             self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
-        if self.listener is not None:
-            self.listener.start(wait_s=timeout_s)  # a dead region costs at most one timeout
+        self._start_listeners()
 
     @classmethod
     def from_settings(
@@ -518,8 +569,11 @@ class FeatureClient(_Base):
             return values, len(keys)
         missing = [keys[i] for i in misses]
         ticket = near.reserve(missing)
-        redirect = self.listener.client_id if self.listener is not None else None
-        fetched = _mget(client, missing, redirect)  # type: ignore[arg-type]
+        if isinstance(client, redis.RedisCluster):
+            fetched = client.mget_nonatomic(missing)
+        else:
+            redirect = self.listener.client_id if self.listener is not None else None
+            fetched = _mget(client, missing, redirect)
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value
@@ -534,8 +588,8 @@ class FeatureClient(_Base):
 
     def close(self) -> None:
         """Stop the near cache listener and close every connection."""
-        if self.listener is not None:
-            self.listener.stop()
+        for listener in self.listeners:
+            listener.stop()
         for client in self.clients.values():
             close_client(client)
 
@@ -584,8 +638,7 @@ class AsyncFeatureClient(_Base):
                 if name == region and self.listener is not None:
                     options["redis_connect_func"] = self._async_tracking_hook()
                 self.clients[name] = aioredis.Redis.from_url(settings.redis_url, **options)
-        if self.listener is not None:
-            self.listener.start(wait_s=timeout_s)  # a dead region costs at most one timeout
+        self._start_listeners()
 
     def _async_tracking_hook(self) -> Any:
         listener = self.listener
@@ -671,8 +724,11 @@ class AsyncFeatureClient(_Base):
             return values, len(keys)
         missing = [keys[i] for i in misses]
         ticket = near.reserve(missing)
-        redirect = self.listener.client_id if self.listener is not None else None
-        fetched = await _amget(client, missing, redirect)  # type: ignore[arg-type]
+        if isinstance(client, aioredis.RedisCluster):
+            fetched = await client.mget_nonatomic(missing)
+        else:
+            redirect = self.listener.client_id if self.listener is not None else None
+            fetched = await _amget(client, missing, redirect)
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value
@@ -689,8 +745,8 @@ class AsyncFeatureClient(_Base):
 
     async def close(self) -> None:
         """Stop the near cache listener and close every connection."""
-        if self.listener is not None:
-            await asyncio.to_thread(self.listener.stop)
+        for listener in self.listeners:
+            await asyncio.to_thread(listener.stop)
         for client in self.clients.values():
             await client.aclose()
 
