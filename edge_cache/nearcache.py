@@ -8,6 +8,13 @@ connection ``<id>``. That connection is a RESP3 connection owned by
 :class:`InvalidationListener`, whose thread drops the named keys from the
 :class:`NearCache`.
 
+On a Redis Cluster there is one such connection per primary, in broadcast mode
+(``CLIENT TRACKING ON BCAST PREFIX ...``): Redis pushes an invalidation for every
+write under the entity prefixes on that node, so the data connections (owned by
+redis-py's cluster client) need no redirect; :class:`ListenerGroup` keeps the
+cache off unless every primary's connection is up. The async client uses the
+same thread-backed listeners.
+
 Guarantees: an entry is served only while it is younger than the TTL and only
 while the invalidation connection is up; an invalidation that arrives while a
 read of the same key is in flight prevents that read from filling the cache
