@@ -344,12 +344,14 @@ def _cluster_primaries(url: str, timeout_s: float) -> list[str]:
         nodes = [(node.host, node.port) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
     finally:
         close_client(cluster)
+    return [node_url(url, host, port) for host, port in nodes]
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """``url`` pointed at another node: scheme, credentials and database kept."""
     parts = urlsplit(url)
     auth = parts.netloc.rpartition("@")[0]
-    return [
-        urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))
-        for host, port in nodes
-    ]
+    return urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))
 
 
 class _Base:

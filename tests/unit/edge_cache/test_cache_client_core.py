@@ -131,3 +131,13 @@ def test_near_cache_ttl_lru_and_invalidation_races() -> None:
     assert len(cache) == 0
     with pytest.raises(ConfigError):
         NearCacheConfig(max_entries=0)
+
+
+def test_cluster_node_urls_keep_scheme_credentials_and_db() -> None:
+    from edge_cache.client import node_url
+
+    assert node_url("redis://127.0.0.1:7000/0", "10.0.0.2", 7001) == "redis://10.0.0.2:7001/0"
+    assert (
+        node_url("rediss://app:s3cret@seed.example:6380/2", "10.0.0.3", 6381)
+        == "rediss://app:s3cret@10.0.0.3:6381/2"
+    )
