@@ -123,7 +123,11 @@ def pipeline_run(
     folder = tmp_path_factory.mktemp("pipeline")
     settings_file = folder / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))
-    ddl = (ROOT / "examples" / "shop" / "schema.sql").read_text().replace("public.", f"{schema}.")
+    ddl = (
+        (ROOT / "edgefeed" / "data" / "shop_schema.sql")
+        .read_text()
+        .replace("public.", f"{schema}.")
+    )
     source = settings.sources[0]
     with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
