@@ -98,6 +98,7 @@ class LookupCore:
         regions: Every region's settings (at least the home region and its failovers).
         schemas: Schemas of the entity types this client reads.
         layout: Key layout; must match the writer's.
+        max_staleness: Default staleness bound of a call that gives none.
     """
 
     def __init__(
@@ -107,7 +108,10 @@ class LookupCore:
         schemas: Iterable[FeatureSchema],
         *,
         layout: KeyLayout | None = None,
+        max_staleness: float | timedelta | None = None,
     ) -> None:
+        default = _seconds(max_staleness, "max_staleness")
+        self.default_staleness_us = None if default is None else round(default * 1_000_000)
         self.regions: dict[str, RegionSettings] = {r.name: r for r in regions}
         if region not in self.regions:
             raise ConfigError(
@@ -212,14 +216,18 @@ class LookupCore:
                 f"ids must be a sequence of ids, got the single value {ids!r}; pass [{ids!r}]"
             )
         id_tuple = tuple(ids.tolist()) if isinstance(ids, np.ndarray) else tuple(ids)
-        staleness = None if max_staleness is None else _seconds(max_staleness, "max_staleness")
+        if max_staleness is None:
+            staleness_us = self.default_staleness_us
+        else:
+            staleness = _seconds(max_staleness, "max_staleness")
+            staleness_us = None if staleness is None else round(staleness * 1_000_000)
         return _Plan(
             reader.schema,
             reader,
             projection,
             id_tuple,
             self.layout.keys(entity, id_tuple),
-            None if staleness is None else round(staleness * 1_000_000),
+            staleness_us,
         )
 
     def assemble(
@@ -366,10 +374,11 @@ class _Base:
         breaker_failures: int,
         breaker_reset_s: float,
         layout: KeyLayout | None,
+        max_staleness: float | timedelta | None,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r} must be positive")
-        self.core = LookupCore(region, regions, schemas, layout=layout)
+        self.core = LookupCore(region, regions, schemas, layout=layout, max_staleness=max_staleness)
         self.timeout_s = timeout_s
         self.region = region
         names = [region, *self.core.home.failover]
@@ -448,6 +457,8 @@ class FeatureClient(_Base):
         breaker_failures: Consecutive failures that open a region's circuit breaker.
         breaker_reset_s: How long an open breaker skips its region before one probe.
         layout: Key layout (namespace); must match the writer's.
+        max_staleness: Default staleness bound of every call (a call's own
+            ``max_staleness`` wins); None: no bound.
     """
 
     def __init__(
@@ -461,6 +472,7 @@ class FeatureClient(_Base):
         breaker_failures: int = 1,
         breaker_reset_s: float = 1.0,
         layout: KeyLayout | None = None,
+        max_staleness: float | timedelta | None = None,
     ) -> None:
         super().__init__(
             region,
@@ -471,6 +483,7 @@ class FeatureClient(_Base):
             breaker_failures=breaker_failures,
             breaker_reset_s=breaker_reset_s,
             layout=layout,
+            max_staleness=max_staleness,
         )
         self.clients: dict[str, redis.Redis | redis.RedisCluster] = {}
         for name in self.breakers:
@@ -619,6 +632,7 @@ class AsyncFeatureClient(_Base):
         breaker_failures: int = 1,
         breaker_reset_s: float = 1.0,
         layout: KeyLayout | None = None,
+        max_staleness: float | timedelta | None = None,
     ) -> None:
         super().__init__(
             region,
@@ -629,6 +643,7 @@ class AsyncFeatureClient(_Base):
             breaker_failures=breaker_failures,
             breaker_reset_s=breaker_reset_s,
             layout=layout,
+            max_staleness=max_staleness,
         )
         self.clients: dict[str, aioredis.Redis | aioredis.RedisCluster] = {}
         for name in self.breakers:

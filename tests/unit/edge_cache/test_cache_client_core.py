@@ -141,3 +141,17 @@ def test_cluster_node_urls_keep_scheme_credentials_and_db() -> None:
         node_url("rediss://app:s3cret@seed.example:6380/2", "10.0.0.3", 6381)
         == "rediss://app:s3cret@10.0.0.3:6381/2"
     )
+
+
+def test_default_staleness_bound_and_per_call_override() -> None:
+    from datetime import timedelta
+
+    core = LookupCore("eu-west", REGIONS, [PERSONAL], max_staleness=timedelta(seconds=2))
+    assert core.plan("user", [1], None, None).max_staleness_us == 2_000_000
+    assert core.plan("user", [1], None, 0.5).max_staleness_us == 500_000
+    assert (
+        LookupCore("eu-west", REGIONS, [PERSONAL]).plan("user", [1], None, None).max_staleness_us
+        is None
+    )
+    with pytest.raises(InvalidValueError, match="max_staleness"):
+        LookupCore("eu-west", REGIONS, [PERSONAL], max_staleness=-1)
