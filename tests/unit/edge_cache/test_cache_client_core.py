@@ -15,7 +15,7 @@ from edge_cache import (
     UnknownEntityError,
     UnknownFeatureError,
 )
-from edge_cache.client import LookupCore
+from edge_cache.core import LookupCore
 from edge_cache.nearcache import NearCache
 
 REGIONS = [
