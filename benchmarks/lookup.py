@@ -34,7 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -193,56 +194,50 @@ def summarize(times_ns: list[int], wall_s: float) -> dict[str, float]:
     }
 
 
-def run_sync(
-    call: Callable[[list[int]], Any],
-    batches: list[list[int]],
-    seconds: float,
-    min_calls: int,
-    warmup: int,
-) -> dict[str, float]:
-    for batch in batches[:warmup]:
-        call(batch)
-    gc.collect()
-    times: list[int] = []
-    perf = time.perf_counter_ns
-    start = time.perf_counter()
-    i = 0
-    n = len(batches)
-    while True:
-        batch = batches[i % n]
-        t0 = perf()
-        call(batch)
-        times.append(perf() - t0)
-        i += 1
-        if i >= min_calls and time.perf_counter() - start >= seconds:
-            break
-    return summarize(times, time.perf_counter() - start)
+@dataclass
+class Case:
+    """One measured case; its calls are spread over interleaved rounds."""
+
+    name: str
+    call: Callable[[list[int]], Any]
+    is_async: bool
+    batches: list[list[int]]
+    times: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    next: int = 0
+
+    async def run(self, seconds: float, min_calls: int, record: bool = True) -> None:
+        perf = time.perf_counter_ns
+        batches = self.batches
+        start = time.perf_counter()
+        count = 0
+        while True:
+            batch = batches[self.next % len(batches)]
+            self.next += 1
+            t0 = perf()
+            if self.is_async:
+                await self.call(batch)
+            else:
+                self.call(batch)
+            if record:
+                self.times.append(perf() - t0)
+            count += 1
+            if count >= min_calls and time.perf_counter() - start >= seconds:
+                break
+        if record:
+            self.wall_s += time.perf_counter() - start
 
 
-async def run_async(
-    call: Callable[[list[int]], Awaitable[Any]],
-    batches: list[list[int]],
-    seconds: float,
-    min_calls: int,
-    warmup: int,
-) -> dict[str, float]:
-    for batch in batches[:warmup]:
-        await call(batch)
-    gc.collect()
-    times: list[int] = []
-    perf = time.perf_counter_ns
-    start = time.perf_counter()
-    i = 0
-    n = len(batches)
-    while True:
-        batch = batches[i % n]
-        t0 = perf()
-        await call(batch)
-        times.append(perf() - t0)
-        i += 1
-        if i >= min_calls and time.perf_counter() - start >= seconds:
-            break
-    return summarize(times, time.perf_counter() - start)
+async def measure(cases: list[Case], seconds: float, min_calls: int, rounds: int) -> None:
+    """Warm every case up, then run them in interleaved rounds (rotating the order), so a
+    change in the machine's load hits every case alike instead of whichever ran then."""
+    for case in cases:
+        await case.run(0.0, min_calls // 2, record=False)
+    for round_ in range(rounds):
+        shift = round_ % len(cases)
+        for case in cases[shift:] + cases[:shift]:
+            gc.collect()
+            await case.run(seconds / rounds, max(1, min_calls // rounds))
 
 
 def feast_python(explicit: str | None) -> str | None:
@@ -302,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     seconds, min_calls, warmup = (0.05, 20, 5) if args.smoke else (args.seconds, 200, 200)
+    rounds = 2 if args.smoke else 8
     n_entities = 200 if args.smoke else N_ENTITIES
 
     rng = np.random.default_rng(42)
@@ -359,26 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if not ok:
                 raise AssertionError(f"{name}: values differ from the written ones")
 
-        for size in SIZES:
-            sample = batches[size]
-            check(f"plain {size}", plain_read(sample[0]), sample[0])
-            check(f"edgefeed {size}", off.get("user", sample[0]).to_numpy(), sample[0])
-            results["cases"][f"plain redis-py sync {size}x50"] = run_sync(
-                plain_read, sample, seconds, min_calls, warmup
-            )
-            results["cases"][f"edgefeed sync near-off {size}x50"] = run_sync(
-                lambda ids: off.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup
-            )
-            for batch in sample:  # fill the near cache: the "on" case measures hits
-                on.get("user", batch)
-            hit = on.get("user", sample[0])
-            check(f"edgefeed near {size}", hit.to_numpy(), sample[0])
-            results["checks"][f"near hits {size}"] = hit.near_hits == size
-            results["cases"][f"edgefeed sync near-on {size}x50"] = run_sync(
-                lambda ids: on.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup
-            )
-
-        async def async_cases() -> None:
+        async def run_cases() -> None:
             aoff = AsyncFeatureClient("bench", [region], [schema])
             aon = AsyncFeatureClient("bench", [region], [schema], near_cache=near)
             try:
@@ -387,37 +364,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 while aon.near is not None and not aon.near.active and polls < 500:
                     await asyncio.sleep(0.01)
                     polls += 1
+
+                async def off_call(ids: list[int]) -> np.ndarray:
+                    return (await aoff.get("user", ids)).to_numpy()
+
+                async def on_call(ids: list[int]) -> np.ndarray:
+                    return (await aon.get("user", ids)).to_numpy()
+
+                cases: list[Case] = []
                 for size in SIZES:
                     sample = batches[size]
-                    check(
-                        f"edgefeed async {size}",
-                        (await aoff.get("user", sample[0])).to_numpy(),
-                        sample[0],
-                    )
-
-                    async def off_call(ids: list[int]) -> np.ndarray:
-                        return (await aoff.get("user", ids)).to_numpy()
-
-                    async def on_call(ids: list[int]) -> np.ndarray:
-                        return (await aon.get("user", ids)).to_numpy()
-
-                    results["cases"][f"plain redis-py async {size}x50"] = await run_async(
-                        aplain_read, sample, seconds, min_calls, warmup
-                    )
-                    results["cases"][f"edgefeed async near-off {size}x50"] = await run_async(
-                        off_call, sample, seconds, min_calls, warmup
-                    )
-                    for batch in sample:
+                    first = sample[0]
+                    check(f"plain {size}", plain_read(first), first)
+                    check(f"plain async {size}", await aplain_read(first), first)
+                    check(f"edgefeed {size}", off.get("user", first).to_numpy(), first)
+                    check(f"edgefeed async {size}", await off_call(first), first)
+                    for batch in sample:  # fill the near caches: "near-on" measures hits
+                        on.get("user", batch)
                         await aon.get("user", batch)
-                    results["cases"][f"edgefeed async near-on {size}x50"] = await run_async(
-                        on_call, sample, seconds, min_calls, warmup
-                    )
+                    hit, ahit = on.get("user", first), await aon.get("user", first)
+                    check(f"edgefeed near {size}", hit.to_numpy(), first)
+                    check(f"edgefeed async near {size}", ahit.to_numpy(), first)
+                    results["checks"][f"near hits {size}"] = hit.near_hits == size
+                    results["checks"][f"async near hits {size}"] = ahit.near_hits == size
+                    tag = f"{size}x50"
+                    cases += [
+                        Case(f"plain redis-py sync {tag}", plain_read, False, sample),
+                        Case(
+                            f"edgefeed sync near-off {tag}",
+                            lambda ids: off.get("user", ids).to_numpy(),
+                            False,
+                            sample,
+                        ),
+                        Case(
+                            f"edgefeed sync near-on {tag}",
+                            lambda ids: on.get("user", ids).to_numpy(),
+                            False,
+                            sample,
+                        ),
+                        Case(f"plain redis-py async {tag}", aplain_read, True, sample),
+                        Case(f"edgefeed async near-off {tag}", off_call, True, sample),
+                        Case(f"edgefeed async near-on {tag}", on_call, True, sample),
+                    ]
+                await measure(cases, seconds, min_calls, rounds)
+                for case in sorted(cases, key=lambda c: c.name.split()[-1]):
+                    results["cases"][case.name] = summarize(case.times, case.wall_s)
             finally:
                 await aoff.close()
                 await aon.close()
                 await aplain.aclose()
 
-        asyncio.run(async_cases())
+        asyncio.run(run_cases())
         off.close()
         on.close()
         plain.close()

@@ -1,48 +1,56 @@
 """The feature lookup client: what serving code calls on every request.
 
 :class:`FeatureClient` (blocking) and :class:`AsyncFeatureClient` (asyncio)
-share :class:`LookupCore`, which does everything but I/O: validating the call,
-resolving feature names to positions (once per feature list), choosing the
-regions allowed to serve (residency), decoding and assembling the result, and
-metrics. The faces only read bytes: one ``MGET`` per call on a single server
-(one pipelined ``MGET`` per slot on a cluster), whatever the number of ids.
+share :class:`~edge_cache.core.LookupCore`, which does everything but I/O:
+validating the call, resolving feature names to positions (once per feature
+list), choosing the regions allowed to serve (residency), decoding and
+assembling the result, and metrics. The faces only read bytes: one ``MGET``
+per call on a single server (one pipelined ``MGET`` per slot on a cluster),
+whatever the number of ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
-from edge_cache.exceptions import (
-    ConfigError,
-    RegionUnavailableError,
-    UnknownEntityError,
-    UnknownFeatureError,
-)
-from edge_cache.layout import Decoded, KeyLayout, RecordReader
-from edge_cache.metrics import STATS
-from edge_cache.nearcache import InvalidationListener, NearCache, NearCacheConfig
-from edge_cache.result import FeatureVectors, Projection, build_vectors
+from edge_cache.core import LookupCore, Plan
+from edge_cache.exceptions import ConfigError
+from edge_cache.layout import Decoded, KeyLayout
+from edge_cache.nearcache import InvalidationListener, ListenerGroup, NearCache, NearCacheConfig
+from edge_cache.result import FeatureVectors
 from edge_cache.schema import FeatureSchema
 from edge_cache.settings import RegionSettings
 
-__all__ = ["AsyncFeatureClient", "FeatureClient", "HasRegions", "LookupCore"]
+__all__ = ["AsyncFeatureClient", "FeatureClient", "HasRegions"]
 
-_FAILURES = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
-_MAX_PROJECTIONS = 1024
+# What makes a region "failed" (breaker, failover): no answer, or a cluster that cannot serve.
+_FAILURES = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterError,
+    RedisClusterException,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
+log = logging.getLogger(__name__)
 
 
 class HasRegions(Protocol):
@@ -50,204 +58,6 @@ class HasRegions(Protocol):
 
     @property
     def regions(self) -> Sequence[RegionSettings]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    schema: FeatureSchema
-    reader: RecordReader
-    projection: Projection
-    ids: tuple[Any, ...]
-    keys: list[str]
-    max_staleness_us: int | None
-
-
-def _seconds(value: float | timedelta | None, what: str) -> float | None:
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds >= 0:
-        raise ConfigError(
-            f"{what}={value!r} must be a non-negative number of seconds or a timedelta"
-        )
-    return seconds
-
-
-class LookupCore:
-    """Everything a lookup does except I/O (shared by the sync and async clients).
-
-    Args:
-        region: The client's home region (it reads there first).
-        regions: Every region's settings (at least the home region and its failovers).
-        schemas: Schemas of the entity types this client reads.
-        layout: Key layout; must match the writer's.
-    """
-
-    def __init__(
-        self,
-        region: str,
-        regions: Iterable[RegionSettings],
-        schemas: Iterable[FeatureSchema],
-        *,
-        layout: KeyLayout | None = None,
-    ) -> None:
-        self.regions: dict[str, RegionSettings] = {r.name: r for r in regions}
-        if region not in self.regions:
-            raise ConfigError(
-                f"region {region!r} not in regions: {', '.join(self.regions) or '(none)'}"
-            )
-        self.home = self.regions[region]
-        for name in self.home.failover:
-            if name not in self.regions:
-                raise ConfigError(
-                    f"region {region!r} fails over to {name!r}, which is not among the regions "
-                    f"given: {', '.join(self.regions)}"
-                )
-        self.layout = layout or KeyLayout()
-        self.readers: dict[str, RecordReader] = {}
-        for schema in schemas:
-            if schema.entity in self.readers:
-                raise ConfigError(f"two schemas given for entity type {schema.entity!r}")
-            self.readers[schema.entity] = RecordReader(schema, self.layout)
-        if not self.readers:
-            raise ConfigError("a FeatureClient needs at least one FeatureSchema")
-        self._projections: dict[tuple[str, tuple[str, ...] | None], Projection] = {}
-        self._routes: dict[bool, tuple[list[str], list[tuple[str, str]]]] = {}
-        for personal in (False, True):
-            self._routes[personal] = self._route(personal)
-
-    def _route(self, personal: bool) -> tuple[list[str], list[tuple[str, str]]]:
-        home = self.home
-        allowed = [home.name]
-        refused: list[tuple[str, str]] = []
-        for name in home.failover:
-            zone = self.regions[name].residency_zone
-            if personal and zone != home.residency_zone:
-                refused.append(
-                    (
-                        name,
-                        f"not tried: zone {zone!r} is outside residency zone "
-                        f"{home.residency_zone!r} of personal data",
-                    )
-                )
-            else:
-                allowed.append(name)
-        return allowed, refused
-
-    def route(self, schema: FeatureSchema) -> tuple[list[str], list[tuple[str, str]]]:
-        """Regions allowed to serve ``schema``, in order, and those refused for residency."""
-        return self._routes[schema.personal]
-
-    def projection(self, entity: str, features: Sequence[str] | None) -> Projection:
-        key = (entity, tuple(features) if features is not None else None)
-        found = self._projections.get(key)
-        if found is not None:
-            return found
-        reader = self.reader(entity)
-        schema = reader.schema
-        if features is None:
-            names = schema.names
-        else:
-            if isinstance(features, str):
-                features = (features,)
-            names = tuple(features)
-            unknown = [n for n in names if schema.position(n) is None]
-            if unknown:
-                raise UnknownFeatureError(
-                    f"unknown feature(s) {', '.join(map(repr, unknown))} for entity type "
-                    f"{entity!r} (schema v{schema.version}); valid: {', '.join(schema.names)}"
-                )
-        positions = np.asarray([schema.position(n) for n in names], dtype=np.intp)
-        projection = Projection(reader.record, names, positions)
-        if len(self._projections) >= _MAX_PROJECTIONS:
-            self._projections.clear()
-        self._projections[key] = projection
-        return projection
-
-    def reader(self, entity: str) -> RecordReader:
-        reader = self.readers.get(entity)
-        if reader is None:
-            raise UnknownEntityError(
-                f"unknown entity type {entity!r}; this client has schemas for: "
-                f"{', '.join(sorted(self.readers))}"
-            )
-        return reader
-
-    def plan(
-        self,
-        entity: str,
-        ids: Sequence[str | int] | np.ndarray[Any, Any],
-        features: Sequence[str] | None,
-        max_staleness: float | timedelta | None,
-    ) -> _Plan:
-        """Validate a call and resolve everything it needs but I/O."""
-        reader = self.reader(entity)
-        projection = self.projection(entity, features)
-        id_tuple = tuple(ids.tolist()) if isinstance(ids, np.ndarray) else tuple(ids)
-        if isinstance(ids, str | bytes):
-            raise ConfigError(f"ids must be a sequence of ids, got the single value {ids!r}")
-        staleness = _seconds(max_staleness, "max_staleness")
-        return _Plan(
-            reader.schema,
-            reader,
-            projection,
-            id_tuple,
-            self.layout.keys(entity, id_tuple),
-            None if staleness is None else round(staleness * 1_000_000),
-        )
-
-    def assemble(
-        self, plan: _Plan, region: str, decoded: Decoded, near_hits: int
-    ) -> FeatureVectors:
-        return build_vectors(
-            entity=plan.schema.entity,
-            ids=plan.ids,
-            region=region,
-            projection=plan.projection,
-            decoded=decoded,
-            now_us=time.time_ns() // 1000 if plan.max_staleness_us is not None else 0,
-            max_staleness_us=plan.max_staleness_us,
-            near_hits=near_hits,
-        )
-
-    def record(self, plan: _Plan, result: FeatureVectors, started: float) -> None:
-        """Update the metrics of one served call."""
-        entity = plan.schema.entity
-        n = len(plan.ids)
-        found = len(result._rows)
-        stale = int(result.stale.sum()) if plan.max_staleness_us is not None else 0
-        home = self.home.name
-        STATS.lookup(
-            home,
-            entity,
-            time.perf_counter() - started,
-            found,
-            n - found - stale,
-            stale,
-            result.near_hits,
-        )
-        if result.region != home:
-            STATS.fallback(home, result.region, entity)
-
-    def failed(self, region: str, reason: str) -> None:
-        STATS.failure(region, reason)
-
-    def unavailable(
-        self, plan: _Plan, attempts: list[tuple[str, str]], refused: list[tuple[str, str]]
-    ) -> RegionUnavailableError:
-        schema = plan.schema
-        every = tuple(attempts + refused)
-        kind = (
-            f"personal entity type {schema.entity!r} (residency zone {self.home.residency_zone!r})"
-            if schema.personal
-            else f"entity type {schema.entity!r}"
-        )
-        detail = "; ".join(f"{name}: {reason}" for name, reason in every)
-        return RegionUnavailableError(
-            f"no region could serve {kind} for home region {self.home.name!r}: {detail}",
-            self.home.name,
-            every,
-        )
 
 
 def _reason(exc: BaseException, timeout_s: float) -> tuple[str, str]:
@@ -265,12 +75,19 @@ def _pool_options(timeout_s: float) -> dict[str, Any]:
     }
 
 
-def _mget(client: redis.Redis, keys: list[str]) -> list[bytes | None]:
+def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> list[bytes | None]:
     """One MGET on a pooled connection, without redis-py's per-command layers
-    (retry wrapper, observability hooks): about 10 us less per call."""
+    (retry wrapper, observability hooks): several microseconds less per call.
+
+    With ``redirect`` (near cache on), the connection must be tracking into that
+    invalidation connection; one connected before the listener (re)connected is
+    reconnected first, so nothing it reads can reach the near cache untracked.
+    """
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
+        if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
+            connection.disconnect()  # type: ignore[no-untyped-call]  # reconnects, tracked
         connection.send_command("MGET", *keys)  # type: ignore[no-untyped-call]
         return connection.read_response()  # type: ignore[no-any-return]
     except BaseException:
@@ -280,11 +97,15 @@ def _mget(client: redis.Redis, keys: list[str]) -> list[bytes | None]:
         pool.release(connection)
 
 
-async def _amget(client: aioredis.Redis, keys: list[str]) -> list[bytes | None]:
+async def _amget(
+    client: aioredis.Redis, keys: list[str], redirect: int | None = None
+) -> list[bytes | None]:
     """The asyncio twin of :func:`_mget` (also safe under cancellation by a timeout)."""
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
+        if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
+            await connection.disconnect()
         await connection.send_command("MGET", *keys)
         return await connection.read_response()  # type: ignore[no-any-return]
     except BaseException:
@@ -292,6 +113,26 @@ async def _amget(client: aioredis.Redis, keys: list[str]) -> list[bytes | None]:
         raise
     finally:
         await pool.release(connection)
+
+
+def _cluster_primaries(url: str, timeout_s: float) -> list[str]:
+    """URLs (same scheme, credentials and database as ``url``) of the cluster's primaries."""
+    options = _pool_options(timeout_s)
+    with redis.Redis.from_url(url, **options) as probe:  # see FeatureClient._client
+        probe.ping()
+    cluster = redis.RedisCluster.from_url(url, **options)
+    try:
+        nodes = [(node.host, node.port) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
+    finally:
+        close_client(cluster)
+    return [node_url(url, host, port) for host, port in nodes]
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """``url`` pointed at another node: scheme, credentials and database kept."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))
 
 
 class _Base:
@@ -306,10 +147,11 @@ class _Base:
         breaker_failures: int,
         breaker_reset_s: float,
         layout: KeyLayout | None,
+        max_staleness: float | timedelta | None,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r} must be positive")
-        self.core = LookupCore(region, regions, schemas, layout=layout)
+        self.core = LookupCore(region, regions, schemas, layout=layout, max_staleness=max_staleness)
         self.timeout_s = timeout_s
         self.region = region
         names = [region, *self.core.home.failover]
@@ -320,24 +162,56 @@ class _Base:
             for name in names
         }
         self.near: NearCache | None = None
-        self.listener: InvalidationListener | None = None
+        self.listener: InvalidationListener | None = None  # single server
+        self.listeners: list[InvalidationListener] = []  # every one, cluster included
         if near_cache is not None:
-            if self.core.home.cluster:
-                raise ConfigError(
-                    f"near cache is supported on single-server regions; {region!r} is a cluster. "
-                    "Pass near_cache=None"
-                )
             self.near = NearCache(near_cache)
-            self.listener = InvalidationListener(self.core.home.redis_url, self.near)
+            if self.core.home.cluster:
+                self.listeners = self._cluster_listeners(self.near)
+            else:
+                self.listener = InvalidationListener(self.core.home.redis_url, self.near)
+                self.listeners = [self.listener]
+
+    def _cluster_listeners(self, near: NearCache) -> list[InvalidationListener]:
+        """One broadcast-mode listener per primary of the home cluster: it is told of
+        every write under the entity prefixes on its node, so reads need no hook."""
+        url = self.core.home.redis_url
+        try:
+            primaries = _cluster_primaries(url, self.timeout_s)
+        except _FAILURES as exc:
+            log.warning(
+                "near cache of %s stays off: cannot list the cluster's primaries (%s)",
+                self.region,
+                exc,
+            )
+            return []
+        prefixes = [self.core.layout.prefix(entity) for entity in self.core.readers]
+        group = ListenerGroup(near, len(primaries))
+        return [
+            InvalidationListener(
+                node_url, near, bcast_prefixes=prefixes, on_state=group.on_state(index)
+            )
+            for index, node_url in enumerate(primaries)
+        ]
+
+    def _start_listeners(self) -> None:
+        # started together, waited for together: a dead region costs at most one timeout
+        deadline = time.monotonic() + self.timeout_s
+        for listener in self.listeners:
+            listener.start(wait_s=0)
+        for listener in self.listeners:
+            listener.wait(max(0.0, deadline - time.monotonic()))
 
     def _tracking_hook(self) -> Any:
         listener = self.listener
 
         def enable_tracking(connection: Any) -> None:
             connection.on_connect()
-            if listener is not None and listener.client_id is not None:
-                connection.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", listener.client_id)
+            target = listener.client_id if listener is not None else None
+            if target is not None:
+                connection.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", target)
                 connection.read_response()
+            connection.edgefeed_redirect = target
 
         return enable_tracking
 
@@ -356,6 +230,8 @@ class FeatureClient(_Base):
         breaker_failures: Consecutive failures that open a region's circuit breaker.
         breaker_reset_s: How long an open breaker skips its region before one probe.
         layout: Key layout (namespace); must match the writer's.
+        max_staleness: Default staleness bound of every call (a call's own
+            ``max_staleness`` wins); None: no bound.
     """
 
     def __init__(
@@ -369,6 +245,7 @@ class FeatureClient(_Base):
         breaker_failures: int = 1,
         breaker_reset_s: float = 1.0,
         layout: KeyLayout | None = None,
+        max_staleness: float | timedelta | None = None,
     ) -> None:
         super().__init__(
             region,
@@ -379,19 +256,18 @@ class FeatureClient(_Base):
             breaker_failures=breaker_failures,
             breaker_reset_s=breaker_reset_s,
             layout=layout,
+            max_staleness=max_staleness,
         )
         self.clients: dict[str, redis.Redis | redis.RedisCluster] = {}
         for name in self.breakers:
             settings = self.core.regions[name]
             options = _pool_options(timeout_s)
             if settings.cluster:
-                self.clients[name] = redis.RedisCluster.from_url(settings.redis_url, **options)
-            else:
-                if name == region and self.listener is not None:
-                    options["redis_connect_func"] = self._tracking_hook()
-                self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
-        if self.listener is not None:
-            self.listener.start()
+                continue  # a cluster client connects when built: see _client
+            if name == region and self.listener is not None:
+                options["redis_connect_func"] = self._tracking_hook()
+            self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
+        self._start_listeners()
 
     @classmethod
     def from_settings(
@@ -452,8 +328,25 @@ class FeatureClient(_Base):
             return result
         raise core.unavailable(plan, attempts, refused)
 
+    def _client(self, name: str) -> redis.Redis | redis.RedisCluster:
+        client = self.clients.get(name)
+        if client is None:
+            # A cluster client discovers the slots when built: build it on first use, so
+            # an unreachable fallback cluster is a failed read, not a failed constructor.
+            url = self.core.regions[name].redis_url
+            # Probe the seed node first: a RedisCluster whose discovery fails leaks its
+            # socket, and most failures (node down or hanging) show up right here.
+            with redis.Redis.from_url(url, **_pool_options(self.timeout_s)) as probe:
+                probe.ping()
+            try:
+                client = redis.RedisCluster.from_url(url, **_pool_options(self.timeout_s))
+            except RedisClusterException as exc:
+                raise RedisConnectionError(f"cluster of region {name!r}: {exc}") from exc
+            self.clients[name] = client
+        return client
+
     def _fetch(self, name: str, keys: list[str]) -> tuple[list[bytes | None], int]:
-        client = self.clients[name]
+        client = self._client(name)
         near = self.near
         if near is None or name != self.region or not near.active:
             if isinstance(client, redis.RedisCluster):
@@ -464,17 +357,18 @@ class FeatureClient(_Base):
             return values, len(keys)
         missing = [keys[i] for i in misses]
         ticket = near.reserve(missing)
-        if near.reset_needed:
-            near.reset_needed = False
-            client.connection_pool.disconnect()  # type: ignore[union-attr]
-        fetched = _mget(client, missing)  # type: ignore[arg-type]
+        if isinstance(client, redis.RedisCluster):
+            fetched = client.mget_nonatomic(missing)
+        else:
+            redirect = self.listener.client_id if self.listener is not None else None
+            fetched = _mget(client, missing, redirect)
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value
         return values, len(keys) - len(misses)
 
-    def _learn(self, name: str, plan: _Plan, raws: list[bytes | None], decoded: Decoded) -> Decoded:
-        client = self.clients[name]
+    def _learn(self, name: str, plan: Plan, raws: list[bytes | None], decoded: Decoded) -> Decoded:
+        client = self._client(name)
         for version, fingerprint in decoded.needs:
             document = client.get(self.core.layout.schema_key(plan.schema.entity, version))
             plan.reader.learn(version, fingerprint, document)
@@ -482,10 +376,10 @@ class FeatureClient(_Base):
 
     def close(self) -> None:
         """Stop the near cache listener and close every connection."""
-        if self.listener is not None:
-            self.listener.stop()
+        for listener in self.listeners:
+            listener.stop()
         for client in self.clients.values():
-            client.close()
+            close_client(client)
 
     def __enter__(self) -> FeatureClient:
         return self
@@ -511,6 +405,7 @@ class AsyncFeatureClient(_Base):
         breaker_failures: int = 1,
         breaker_reset_s: float = 1.0,
         layout: KeyLayout | None = None,
+        max_staleness: float | timedelta | None = None,
     ) -> None:
         super().__init__(
             region,
@@ -521,6 +416,7 @@ class AsyncFeatureClient(_Base):
             breaker_failures=breaker_failures,
             breaker_reset_s=breaker_reset_s,
             layout=layout,
+            max_staleness=max_staleness,
         )
         self.clients: dict[str, aioredis.Redis | aioredis.RedisCluster] = {}
         for name in self.breakers:
@@ -532,19 +428,18 @@ class AsyncFeatureClient(_Base):
                 if name == region and self.listener is not None:
                     options["redis_connect_func"] = self._async_tracking_hook()
                 self.clients[name] = aioredis.Redis.from_url(settings.redis_url, **options)
-        if self.listener is not None:
-            self.listener.start()
+        self._start_listeners()
 
     def _async_tracking_hook(self) -> Any:
         listener = self.listener
 
         async def enable_tracking(connection: Any) -> None:
             await connection.on_connect()
-            if listener is not None and listener.client_id is not None:
-                await connection.send_command(
-                    "CLIENT", "TRACKING", "ON", "REDIRECT", listener.client_id
-                )
+            target = listener.client_id if listener is not None else None
+            if target is not None:
+                await connection.send_command("CLIENT", "TRACKING", "ON", "REDIRECT", target)
                 await connection.read_response()
+            connection.edgefeed_redirect = target
 
         return enable_tracking
 
@@ -570,6 +465,16 @@ class AsyncFeatureClient(_Base):
         plan = core.plan(entity, ids, features, max_staleness)
         if not plan.ids:
             return core.assemble(plan, self.region, plan.reader.decode([], []), 0)
+        near = self.near
+        if near is not None and near.active:
+            # everything in the near cache: no I/O, so no timeout scope and no breaker
+            cached, misses = near.lookup(plan.keys)
+            if not misses:
+                decoded = plan.reader.decode(cached, plan.ids)
+                if not decoded.needs:
+                    result = core.assemble(plan, self.region, decoded, len(plan.keys))
+                    core.record(plan, result, started)
+                    return result
         timeout = self.timeout_s if timeout_s is None else timeout_s
         allowed, refused = core.route(plan.schema)
         attempts: list[tuple[str, str]] = []
@@ -609,17 +514,18 @@ class AsyncFeatureClient(_Base):
             return values, len(keys)
         missing = [keys[i] for i in misses]
         ticket = near.reserve(missing)
-        if near.reset_needed:
-            near.reset_needed = False
-            await client.connection_pool.disconnect()  # type: ignore[union-attr]
-        fetched = await _amget(client, missing)  # type: ignore[arg-type]
+        if isinstance(client, aioredis.RedisCluster):
+            fetched = await client.mget_nonatomic(missing)
+        else:
+            redirect = self.listener.client_id if self.listener is not None else None
+            fetched = await _amget(client, missing, redirect)
         near.fill(missing, fetched, ticket)
         for index, value in zip(misses, fetched, strict=True):
             values[index] = value
         return values, len(keys) - len(misses)
 
     async def _learn(
-        self, name: str, plan: _Plan, raws: list[bytes | None], decoded: Decoded
+        self, name: str, plan: Plan, raws: list[bytes | None], decoded: Decoded
     ) -> Decoded:
         client = self.clients[name]
         for version, fingerprint in decoded.needs:
@@ -629,8 +535,8 @@ class AsyncFeatureClient(_Base):
 
     async def close(self) -> None:
         """Stop the near cache listener and close every connection."""
-        if self.listener is not None:
-            await asyncio.to_thread(self.listener.stop)
+        for listener in self.listeners:
+            await asyncio.to_thread(listener.stop)
         for client in self.clients.values():
             await client.aclose()
 

@@ -48,7 +48,9 @@ class UnknownFeatureError(EdgeCacheError, ValueError):
 
 class InvalidValueError(EdgeCacheError, ValueError):
     """A value handed to the writer does not fit its feature's dtype (wrong type,
-    out of range) or names an unknown feature. Not retryable."""
+    out of range) or names an unknown feature, or an argument of a lookup is
+    malformed (an id that is not a non-empty str or int, a negative
+    ``max_staleness``). Not retryable."""
 
 
 class SchemaVersionError(EdgeCacheError):

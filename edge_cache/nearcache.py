@@ -8,12 +8,20 @@ connection ``<id>``. That connection is a RESP3 connection owned by
 :class:`InvalidationListener`, whose thread drops the named keys from the
 :class:`NearCache`.
 
+On a Redis Cluster there is one such connection per primary, in broadcast mode
+(``CLIENT TRACKING ON BCAST PREFIX ...``): Redis pushes an invalidation for every
+write under the entity prefixes on that node, so the data connections (owned by
+redis-py's cluster client) need no redirect; :class:`ListenerGroup` keeps the
+cache off unless every primary's connection is up. The async client uses the
+same thread-backed listeners.
+
 Guarantees: an entry is served only while it is younger than the TTL and only
 while the invalidation connection is up; an invalidation that arrives while a
 read of the same key is in flight prevents that read from filling the cache
 (reserve/fill tokens); when the invalidation connection drops, the whole cache
-is flushed and disabled until it is back and the data connections have been
-re-pointed at it.
+is flushed and disabled until it is back; a data connection that was not
+re-pointed at the new invalidation connection is reconnected before its next
+near-cached read.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 
 import redis
 
-__all__ = ["InvalidationListener", "NearCache", "NearCacheConfig"]
+__all__ = ["InvalidationListener", "ListenerGroup", "NearCache", "NearCacheConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +82,6 @@ class NearCache:
         self._lock = threading.Lock()
         self.generation = 0
         self.active = False  # True only while invalidations can reach us
-        self.reset_needed = False  # data connections must be re-pointed at the listener
         self.invalidations = 0
 
     def __len__(self) -> int:
@@ -147,8 +154,6 @@ class NearCache:
             self._data.clear()
             self._pending.clear()
             self.generation += 1
-            if active:
-                self.reset_needed = True
             self.active = active
 
 
@@ -156,8 +161,13 @@ class InvalidationListener:
     """Owns the RESP3 connection that receives ``invalidate`` pushes, on a daemon thread.
 
     Args:
-        url: Redis URL of the (single-server) region.
+        url: Redis URL of the server (a single-server region, or one cluster primary).
         cache: The near cache to invalidate.
+        bcast_prefixes: Broadcast mode (used on clusters): track every key with
+            these prefixes written on this server, whoever read it, instead of
+            the keys that redirecting data connections read.
+        on_state: Called with True when the connection is up, False when lost;
+            by default the cache is switched on and off directly.
         reconnect_s: Pause between reconnection attempts.
         connect_timeout_s: Timeout of connecting and of the handshake.
     """
@@ -167,9 +177,13 @@ class InvalidationListener:
         url: str,
         cache: NearCache,
         *,
+        bcast_prefixes: Sequence[str] = (),
+        on_state: Callable[[bool], None] | None = None,
         reconnect_s: float = 0.5,
         connect_timeout_s: float = 1.0,
     ) -> None:
+        self._bcast = tuple(bcast_prefixes)
+        self._on_state = on_state or cache.set_active
         self._pool = redis.ConnectionPool.from_url(
             url,
             protocol=3,
@@ -186,11 +200,17 @@ class InvalidationListener:
     def start(self, wait_s: float = 2.0) -> bool:
         """Start the thread; wait up to ``wait_s`` for the first connection. True if connected."""
         self._thread.start()
+        return self.wait(wait_s)
+
+    def wait(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the first connection. True if connected."""
         return self._ready.wait(wait_s)
 
     def stop(self) -> None:
+        """Stop the thread and close the connection (the cache is switched off)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self._pool.disconnect()
 
     def _run(self) -> None:
@@ -202,7 +222,11 @@ class InvalidationListener:
                 connection.send_command("CLIENT", "ID")
                 self.client_id = int(connection.read_response())
                 connection._parser.set_invalidation_push_handler(self._on_push)
-                self.cache.set_active(True)
+                if self._bcast:
+                    prefixes = [part for p in self._bcast for part in ("PREFIX", p)]
+                    connection.send_command("CLIENT", "TRACKING", "ON", "BCAST", *prefixes)
+                    connection.read_response()
+                self._on_state(True)
                 self._ready.set()
                 while not self._stop.is_set():
                     if connection.can_read(timeout=0.2):
@@ -212,7 +236,7 @@ class InvalidationListener:
                     log.warning("near cache disabled: invalidation connection lost (%s)", exc)
             finally:
                 self.client_id = None
-                self.cache.set_active(False)
+                self._on_state(False)
                 if connection is not None:
                     connection.disconnect()
             self._stop.wait(self._reconnect_s)
@@ -224,3 +248,26 @@ class InvalidationListener:
         else:
             self.cache.invalidate([k.decode() if isinstance(k, bytes) else str(k) for k in keys])
         return message
+
+
+class ListenerGroup:
+    """Several listeners (one per cluster primary) feeding one cache: the cache
+    serves only while every one of them is connected."""
+
+    def __init__(self, cache: NearCache, size: int) -> None:
+        self.cache = cache
+        self._up = [False] * size
+        self._lock = threading.Lock()
+
+    def on_state(self, index: int) -> Callable[[bool], None]:
+        """The ``on_state`` callback of listener ``index``."""
+
+        def update(up: bool) -> None:
+            with self._lock:
+                self._up[index] = up
+                if not up:
+                    self.cache.set_active(False)
+                elif all(self._up) and not self.cache.active:
+                    self.cache.set_active(True)
+
+        return update

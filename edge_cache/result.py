@@ -21,6 +21,22 @@ if TYPE_CHECKING:
 __all__ = ["FeatureVectors", "Projection"]
 
 _NAT = np.iinfo(np.int64).min
+_MICROS = np.dtype("datetime64[us]")
+_TRUE: dict[tuple[int, ...], np.ndarray[Any, np.dtype[np.bool_]]] = {}
+
+
+def _all_true(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """A shared, read-only all-True mask (the common "everything found" case)."""
+    mask = _TRUE.get(shape)
+    if mask is None:
+        if len(_TRUE) > 256:
+            _TRUE.clear()
+        mask = np.ones(shape, dtype=np.bool_)
+        mask.flags.writeable = False
+        _TRUE[shape] = mask
+    return mask
+
+
 _EXACT_IN_FLOAT32 = frozenset({"float32", "bool"})
 # byte value -> its 8 bits, least significant first (the validity bitmap's order)
 _BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").view(
@@ -248,10 +264,10 @@ def build_vectors(
             rows = rows[fresh]
             complete = False
     if complete:
-        found = np.ones(n, dtype=np.bool_)
+        found = _all_true((n,))
         values = projection.matrix(records)
         if decoded.all_valid:
-            present = np.ones((n, k), dtype=np.bool_)
+            present = _all_true((n, k))
         else:
             present = projection.valid(records)
             values[~present] = np.nan
@@ -277,8 +293,8 @@ def build_vectors(
         present=present,
         found=found,
         stale=stale,
-        commit_time=commit.view("datetime64[us]"),
-        write_time=write.view("datetime64[us]"),
+        commit_time=commit.view(_MICROS),
+        write_time=write.view(_MICROS),
         near_hits=near_hits,
         _records=records,
         _rows=rows,

@@ -26,6 +26,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
+from edge_cache._redis import close_client
 from edge_cache.exceptions import (
     ConfigError,
     CorruptValueError,
@@ -288,7 +289,8 @@ class FeatureWriter:
             raise
 
     def close(self) -> None:
-        self.client.close()
+        """Close the writer's connections."""
+        close_client(self.client)
 
     def __enter__(self) -> FeatureWriter:
         return self

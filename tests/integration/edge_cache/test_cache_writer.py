@@ -26,6 +26,7 @@ from edge_cache import (
 )
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 USER = FeatureSchema.of("user", ["a", "b"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from edge_cache import (
 from edge_cache.metrics import STATS
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 PROFILE = FeatureSchema.of("profile", ["age_bucket", "spend_30d"], personal=True)
 ITEM = FeatureSchema.of("item", ["ctr", "price"])
@@ -51,20 +53,35 @@ def _failures(region: str, reason: str) -> float:
     return STATS.failure_count(region, reason)
 
 
+def _refusing_port() -> int:
+    """A loopback port nobody listens on: connections are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("failure", ["hangs", "refuses"])
 def test_personal_features_never_leave_residency_zone(
-    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter], black_hole: Any
+    regions: list[RegionSettings],
+    make_writer: Callable[..., FeatureWriter],
+    black_hole: Any,
+    failure: str,
 ) -> None:
     _seed(regions, make_writer)  # every region holds the entity, so a leak would succeed
     before = {r.name: _mget_calls(r) for r in regions[1:]}
-    with FeatureClient(
-        "eu-west", _dead_home(regions, black_hole), [PROFILE, ITEM], timeout_s=0.2
-    ) as client:
+    if failure == "hangs":
+        dead = _dead_home(regions, black_hole)
+    else:
+        url = f"redis://127.0.0.1:{_refusing_port()}/0"
+        dead = [regions[0].model_copy(update={"redis_url": url}), *regions[1:]]
+    with FeatureClient("eu-west", dead, [PROFILE, ITEM], timeout_s=0.2) as client:
         with pytest.raises(RegionUnavailableError) as error:
             client.get("profile", ["u1"])
         message = str(error.value)
         assert "personal entity type 'profile'" in message
         assert "residency zone 'eu'" in message
-        assert "eu-west: timed out" in message
+        reason = "timed out" if failure == "hangs" else "connection failed"
+        assert f"eu-west: {reason}" in message
         assert "us-east: not tried" in message and "ap-southeast: not tried" in message
         assert error.value.retryable
         # shared features of the same client do fail over
@@ -142,3 +159,30 @@ async def test_async_personal_refused_and_shared_fails_over(
             await client.get("profile", ["u1"])
         result = await client.get("item", ["sku"])
         assert result.region == "us-east"
+
+
+def test_unreachable_cluster_region_fails_over(
+    regions: list[RegionSettings],
+    cluster_region: RegionSettings,
+    make_writer: Callable[..., FeatureWriter],
+    black_hole: Any,
+) -> None:
+    """A cluster home region that hangs is a failed read (the client still builds), and
+    a healthy cluster serves as a fallback too."""
+    _seed(regions, make_writer)
+    make_writer(cluster_region, [ITEM]).upsert(
+        "item", "sku", {"ctr": 0.25, "price": 1.0}, Position(1), time.time()
+    )
+    dead = cluster_region.model_copy(
+        update={"redis_url": f"redis://127.0.0.1:{black_hole.port}/0", "failover": ["us-east"]}
+    )
+    with FeatureClient("eu-west", [dead, regions[1]], [ITEM], timeout_s=0.2) as client:
+        assert client.get("item", ["sku"]).region == "us-east"
+    cluster_backup = cluster_region.model_copy(update={"name": "us-east", "residency_zone": "us"})
+    home = regions[0].model_copy(
+        update={"redis_url": f"redis://127.0.0.1:{black_hole.port}/0", "failover": ["us-east"]}
+    )
+    with FeatureClient("eu-west", [home, cluster_backup], [ITEM], timeout_s=0.2) as client:
+        result = client.get("item", ["sku"])
+        assert result.region == "us-east"
+        assert result.to_dicts() == [{"ctr": 0.25, "price": 1.0}]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "lookup.py"
 
@@ -17,7 +19,11 @@ def test_lookup_benchmark_smoke(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("edgefeed_bench_lookup", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     out = tmp_path / "lookup.json"
     results = module.main(["--smoke", "--no-feast", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))

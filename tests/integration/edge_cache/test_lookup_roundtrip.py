@@ -24,6 +24,7 @@ from edge_cache import (
 )
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 ITEM = FeatureSchema(
     "item",
@@ -220,3 +221,29 @@ def test_bad_input_errors_list_valid_names(regions: list[RegionSettings]) -> Non
         assert empty.to_arrow().num_rows == 0
         # the client keeps serving after bad input
         assert client.get("user", [1]).found.tolist() == [False]
+
+
+def test_one_command_per_call_whatever_the_number_of_ids(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    import redis
+
+    schema = FeatureSchema.of("user", ["a"])
+    make_writer(regions[0], [schema]).write(
+        [Upsert("user", i, {"a": float(i)}, Position(1), time.time()) for i in range(300)]
+    )
+    with (
+        redis.Redis.from_url(regions[0].redis_url) as admin,
+        FeatureClient("eu-west", regions, [schema]) as client,
+    ):
+        client.get("user", [0])  # connect
+        admin.config_resetstat()
+        result = client.get("user", list(range(300)))
+        stats = admin.info("commandstats")
+    assert result.values[:, 0].tolist() == [float(i) for i in range(300)]
+    commands = {
+        name: int(value["calls"])
+        for name, value in stats.items()
+        if not name.startswith(("cmdstat_config", "cmdstat_info"))  # the admin's own
+    }
+    assert commands == {"cmdstat_mget": 1}

@@ -10,16 +10,17 @@ import redis
 
 from edge_cache import (
     AsyncFeatureClient,
-    ConfigError,
     FeatureClient,
     FeatureSchema,
     FeatureWriter,
     NearCacheConfig,
     Position,
     RegionSettings,
+    Upsert,
 )
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 USER = FeatureSchema.of("user", ["a", "b"])
 NEAR = NearCacheConfig(max_entries=1000, ttl_s=60)
@@ -112,6 +113,48 @@ async def test_async_client_near_cache(
         assert value == 3.0
 
 
-def test_near_cache_refused_on_cluster(cluster_region: RegionSettings) -> None:
-    with pytest.raises(ConfigError, match="single-server"):
-        FeatureClient("eu-west", [cluster_region], [USER], near_cache=NEAR)
+def test_cluster_near_cache_hits_and_invalidation(
+    cluster_region: RegionSettings, make_writer: Callable[..., FeatureWriter]
+) -> None:
+    writer = make_writer(cluster_region, [USER])
+    ids = list(range(12))  # spread over the three primaries
+    writer.write([Upsert("user", i, {"a": float(i)}, Position(1), time.time()) for i in ids])
+    with FeatureClient("eu-west", [cluster_region], [USER], near_cache=NEAR) as client:
+        near = client.near
+        assert near is not None and len(client.listeners) == 3
+        assert _until(lambda: near.active)
+        assert client.get("user", ids).near_hits == 0
+        assert client.get("user", ids).near_hits == 12
+        writer.write([Upsert("user", i, {"a": -float(i)}, Position(2), time.time()) for i in ids])
+        expected = [-float(i) for i in ids]
+        assert _until(lambda: client.get("user", ids).values[:, 0].tolist() == expected)
+        # one primary's invalidation connection drops: nothing is served until it is back
+        victim = client.listeners[1]
+        host, port = victim._pool.connection_kwargs["host"], victim._pool.connection_kwargs["port"]
+        old_id = victim.client_id
+        with redis.Redis(host=host, port=port) as admin:
+            admin.client_kill_filter(_id=old_id)
+        assert _until(lambda: near.active and victim.client_id not in (None, old_id))
+        assert client.get("user", ids).near_hits == 0
+        writer.upsert("user", 3, {"a": 33.0}, Position(3), time.time())
+        assert _until(lambda: client.get("user", [3]).to_dicts()[0]["a"] == 33.0)
+
+
+async def test_async_cluster_near_cache(
+    cluster_region: RegionSettings, make_writer: Callable[..., FeatureWriter]
+) -> None:
+    writer = make_writer(cluster_region, [USER])
+    writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
+    async with AsyncFeatureClient("eu-west", [cluster_region], [USER], near_cache=NEAR) as client:
+        assert client.near is not None and _until(lambda: client.near.active)  # type: ignore[union-attr]
+        await client.get("user", [1])
+        assert (await client.get("user", [1])).near_hits == 1
+        writer.upsert("user", 1, {"a": 2.0}, Position(2), time.time())
+        deadline = time.monotonic() + DEADLINE_S
+        value = None
+        while time.monotonic() < deadline:
+            value = (await client.get("user", [1])).to_dicts()[0]["a"]
+            if value == 2.0:
+                break
+            time.sleep(0.005)
+        assert value == 2.0

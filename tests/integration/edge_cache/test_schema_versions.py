@@ -18,6 +18,7 @@ from edge_cache import (
 )
 
 pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
 
 V1 = FeatureSchema.of("user", {"a": "float32", "n": "int32"})
 V2 = V1.evolve(Feature("b", "float32"), Feature("flag", "bool"))

@@ -9,12 +9,13 @@ from edge_cache import (
     CircuitBreaker,
     ConfigError,
     FeatureSchema,
+    InvalidValueError,
     NearCacheConfig,
     RegionSettings,
     UnknownEntityError,
     UnknownFeatureError,
 )
-from edge_cache.client import LookupCore
+from edge_cache.core import LookupCore
 from edge_cache.nearcache import NearCache
 
 REGIONS = [
@@ -59,9 +60,11 @@ def test_core_errors() -> None:
         core.plan("users", [1], None, None)
     with pytest.raises(UnknownFeatureError, match=r"'d', 'e'.*valid: a, b, c"):
         core.plan("user", [1], ["a", "d", "e"], None)
-    with pytest.raises(ConfigError, match="max_staleness"):
+    with pytest.raises(InvalidValueError, match="max_staleness"):
         core.plan("user", [1], None, -1)
-    with pytest.raises(ConfigError, match="single value"):
+    with pytest.raises(InvalidValueError, match="max_staleness"):
+        core.plan("user", [1], None, "soon")  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError, match=r"single value 'abc'; pass \['abc'\]"):
         core.plan("user", "abc", None, None)  # type: ignore[arg-type]
 
 
@@ -72,6 +75,11 @@ def test_projection_resolved_once_and_matrix_dtype() -> None:
     assert first.positions.tolist() == [2, 0]
     assert first.matrix_dtype == np.float32
     assert core.projection("item", None).matrix_dtype == np.float64
+    # a single name is one feature, not its letters (and does not poison the cache)
+    schema = FeatureSchema.of("t", ["abc", "a", "b", "c"])
+    core = LookupCore("eu-west", REGIONS, [schema])
+    assert core.projection("t", "abc").names == ("abc",)
+    assert core.projection("t", ["a", "b", "c"]).names == ("a", "b", "c")
 
 
 def test_breaker_opens_probes_and_closes() -> None:
@@ -123,3 +131,27 @@ def test_near_cache_ttl_lru_and_invalidation_races() -> None:
     assert len(cache) == 0
     with pytest.raises(ConfigError):
         NearCacheConfig(max_entries=0)
+
+
+def test_cluster_node_urls_keep_scheme_credentials_and_db() -> None:
+    from edge_cache.client import node_url
+
+    assert node_url("redis://127.0.0.1:7000/0", "10.0.0.2", 7001) == "redis://10.0.0.2:7001/0"
+    assert (
+        node_url("rediss://app:s3cret@seed.example:6380/2", "10.0.0.3", 6381)
+        == "rediss://app:s3cret@10.0.0.3:6381/2"
+    )
+
+
+def test_default_staleness_bound_and_per_call_override() -> None:
+    from datetime import timedelta
+
+    core = LookupCore("eu-west", REGIONS, [PERSONAL], max_staleness=timedelta(seconds=2))
+    assert core.plan("user", [1], None, None).max_staleness_us == 2_000_000
+    assert core.plan("user", [1], None, 0.5).max_staleness_us == 500_000
+    assert (
+        LookupCore("eu-west", REGIONS, [PERSONAL]).plan("user", [1], None, None).max_staleness_us
+        is None
+    )
+    with pytest.raises(InvalidValueError, match="max_staleness"):
+        LookupCore("eu-west", REGIONS, [PERSONAL], max_staleness=-1)

@@ -197,3 +197,54 @@ def test_reader_refusals_name_the_problem() -> None:
     )
     with pytest.raises(SchemaVersionError, match="two different schemas were deployed"):
         reader.decode([value], ["e"])
+
+
+def test_bulk_decode_matches_the_per_value_path() -> None:
+    """Many values take the vectorised path; gaps, tombstones, partial vectors and other
+    versions among them must give the same answer as one by one."""
+    schema = FeatureSchema.of("u", ["a", "b", "c"])
+    record = RecordLayout(schema)
+    reader = RecordReader(schema, KeyLayout())
+    full = [
+        record.encode({"a": float(i), "b": 1.0, "c": 2.0}, Position(i), i, i) for i in range(20)
+    ]
+    everything = reader.decode(full, list(range(20)))
+    assert everything.complete and everything.all_valid
+    assert everything.records["r0"][:, 0].tolist() == [float(i) for i in range(20)]
+
+    gappy: list[bytes | None] = list(full)
+    gappy[3] = None
+    gappy[7] = record.encode({"a": 7.0}, Position(7), 7, 7)  # partial vector
+    decoded = reader.decode(gappy, list(range(20)))
+    assert not decoded.complete and not decoded.all_valid
+    assert decoded.rows.tolist() == [i for i in range(20) if i != 3]
+
+    with_tombstone: list[bytes | None] = list(full)
+    with_tombstone[5] = encode_tombstone(Position(99), 0, 0)
+    decoded = reader.decode(with_tombstone, list(range(20)))
+    assert decoded.deleted == (5,)
+    assert sorted(decoded.rows.tolist()) == [i for i in range(20) if i != 5]
+
+    newer = schema.evolve(Feature("d", "int32"))
+    mixed: list[bytes | None] = list(full)
+    mixed[0] = RecordLayout(newer).encode({"a": 0.5, "d": 3}, Position(1), 0, 0)
+    first = reader.decode(mixed, list(range(20)))
+    assert first.needs == frozenset({(2, newer.fingerprint)})
+    reader.learn(2, newer.fingerprint, newer.to_json())
+    decoded = reader.decode(mixed, list(range(20)))
+    by_row = dict(zip(decoded.rows.tolist(), decoded.records["r0"][:, 0].tolist(), strict=True))
+    assert by_row[0] == 0.5 and by_row[19] == 19.0
+
+    foreign: list[bytes | None] = list(full)
+    foreign[9] = b"EF" + b"\x07" * (record.itemsize - 2)  # right size, wrong format
+    with pytest.raises(CorruptValueError):
+        reader.decode(foreign, list(range(20)))
+
+
+def test_numpy_integer_ids_make_the_same_keys() -> None:
+    layout = KeyLayout()
+    assert layout.keys("u", [np.int64(5), 6]) == ["ef:{u:5}", "ef:{u:6}"]
+    with pytest.raises(InvalidValueError):
+        layout.keys("u", [1, ""])
+    with pytest.raises(InvalidValueError):
+        layout.keys("u", [1, None])  # type: ignore[list-item]

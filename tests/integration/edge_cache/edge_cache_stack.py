@@ -1,6 +1,10 @@
 """Fixtures of the edge cache integration tests: real redis-servers, one per region,
 and a 3-node Redis Cluster, started by the same devstack code as ``edgefeed dev up``
-(only the Redis services: these tests need no broker, database or Connect)."""
+(only the Redis services: these tests need no broker, database or Connect).
+
+A pytest plugin, loaded by each test module with ``pytest_plugins``, not a
+``conftest.py``: a second ``conftest`` module would shadow ``tests/conftest.py``
+for the test modules that do ``from conftest import ...``."""
 
 from __future__ import annotations
 
@@ -17,8 +21,6 @@ import redis
 from edge_cache import FeatureSchema, FeatureWriter, RegionSettings
 from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="session")
