@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,8 +72,7 @@ class BatchingConfig:
         bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
         if bad:
             raise WorkerConfigError(
-                f"preferred batch sizes {bad} must lie in 1..max_batch_size "
-                f"({self.max_batch_size})"
+                f"preferred batch sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})"
             )
         if self.max_queue_delay_s < 0:
             raise WorkerConfigError(f"max_queue_delay_s {self.max_queue_delay_s} must be >= 0")
@@ -226,8 +225,9 @@ class DynamicBatcher:
                 f"request has {rows} rows; batches hold 1..{self.config.max_batch_size}"
             )
         budget = deadline_s if deadline_s is not None else self.config.default_deadline_s
-        deadline = now + budget if budget is not None else None
-        if deadline is not None:
+        deadline = None
+        if budget is not None:
+            deadline = now + budget
             expected = self._estimated_wait(rows, now)
             if now + expected > deadline:
                 self.stats.rejected_deadline += 1
@@ -288,10 +288,8 @@ class DynamicBatcher:
             wait, target = self._ready(time.monotonic())
             if wait > 0:
                 self._arrival.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._arrival.wait(), timeout=wait)
-                except TimeoutError:
-                    pass
                 continue
             batch = self._take_batch(target)
             if batch:
@@ -306,11 +304,13 @@ class DynamicBatcher:
                 continue
             if item.deadline is not None and now + expected > item.deadline:
                 self.stats.rejected_deadline += 1
-                item.future.set_exception(DeadlineExceededError(
-                    f"deadline passed while queued ({(now - item.enqueued) * 1e3:.1f} ms "
-                    f"waiting, {expected * 1e3:.1f} ms forward pass ahead); refused "
-                    "instead of served late"
-                ))
+                item.future.set_exception(
+                    DeadlineExceededError(
+                        f"deadline passed while queued ({(now - item.enqueued) * 1e3:.1f} ms "
+                        f"waiting, {expected * 1e3:.1f} ms forward pass ahead); refused "
+                        "instead of served late"
+                    )
+                )
             else:
                 keep.append(item)
         return keep
@@ -330,10 +330,12 @@ class DynamicBatcher:
             self.stats.failed += len(batch)
             for item in batch:
                 if not item.future.done():
-                    item.future.set_exception(ModelExecutionError(
-                        f"forward pass of a batch of {rows} rows failed: "
-                        f"{type(exc).__name__}: {exc}"
-                    ))
+                    item.future.set_exception(
+                        ModelExecutionError(
+                            f"forward pass of a batch of {rows} rows failed: "
+                            f"{type(exc).__name__}: {exc}"
+                        )
+                    )
             return
         finally:
             self._running_until = None
@@ -347,14 +349,15 @@ class DynamicBatcher:
                 continue
             if item.deadline is not None and finished > item.deadline:
                 self.stats.rejected_deadline += 1
-                item.future.set_exception(DeadlineExceededError(
-                    f"forward pass finished {(finished - item.deadline) * 1e3:.1f} ms after "
-                    "the deadline; refused instead of served late"
-                ))
+                item.future.set_exception(
+                    DeadlineExceededError(
+                        f"forward pass finished {(finished - item.deadline) * 1e3:.1f} ms after "
+                        "the deadline; refused instead of served late"
+                    )
+                )
                 continue
             self.stats.completed += 1
-            item.future.set_result(BatchResult(output, model_s, dispatched - item.enqueued,
-                                               rows))
+            item.future.set_result(BatchResult(output, model_s, dispatched - item.enqueued, rows))
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop admitting, finish what is queued, stop the dispatcher.
@@ -372,17 +375,17 @@ class DynamicBatcher:
             except TimeoutError:
                 clean = False
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         while self._queue:
             item = self._queue.popleft()
             if not item.future.done():
-                item.future.set_exception(DrainingError(
-                    f"worker shut down before this request ran (drain timeout {timeout_s} s)"
-                ))
+                item.future.set_exception(
+                    DrainingError(
+                        f"worker shut down before this request ran (drain timeout {timeout_s} s)"
+                    )
+                )
         self._queued_rows = 0
         self._executor.shutdown(wait=True)
         return clean

@@ -50,8 +50,9 @@ class WorkerClient:
         timeout_s: Total timeout per request.
     """
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 30.0
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._session = session
         self._owned = session is None
@@ -95,8 +96,9 @@ class WorkerClient:
         if deadline_ms is not None:
             sent[HEADER_DEADLINE_MS] = f"{deadline_ms:g}"
         start = time.perf_counter()
-        async with self._http().post(f"{self.base_url}/v1/models/{model}/infer", data=body,
-                                     headers=sent) as response:
+        async with self._http().post(
+            f"{self.base_url}/v1/models/{model}/infer", data=body, headers=sent
+        ) as response:
             payload = await response.read()
             round_trip = time.perf_counter() - start
             if response.status != 200:
@@ -104,21 +106,31 @@ class WorkerClient:
             server = ServerTiming.from_headers(response.headers)
         if server is None:
             server = ServerTiming(0.0, 0.0, 0.0)
-        return InferenceAnswer(json.loads(payload),
-                               LatencyBreakdown.from_round_trip(round_trip, server),
-                               server.batch_rows)
+        return InferenceAnswer(
+            json.loads(payload),
+            LatencyBreakdown.from_round_trip(round_trip, server),
+            server.batch_rows,
+        )
 
-    async def classify(self, model: str, images: np.ndarray, *,
-                       deadline_ms: float | None = None) -> InferenceAnswer:
+    async def classify(
+        self, model: str, images: np.ndarray, *, deadline_ms: float | None = None
+    ) -> InferenceAnswer:
         """Classify uint8 ``(H, W, 3)`` or ``(n, H, W, 3)`` images (sent as ``.npy``)."""
         return await self.infer(model, encode_npy(images), NPY_TYPE, deadline_ms=deadline_ms)
 
-    async def rank(self, model: str, user_id: str, item_ids: Sequence[str], *,
-                   on_missing: str = "reject",
-                   deadline_ms: float | None = None) -> InferenceAnswer:
+    async def rank(
+        self,
+        model: str,
+        user_id: str,
+        item_ids: Sequence[str],
+        *,
+        on_missing: str = "reject",
+        deadline_ms: float | None = None,
+    ) -> InferenceAnswer:
         """Score ``item_ids`` for ``user_id``; features come from the worker's edge cache."""
-        body = json.dumps({"user_id": user_id, "item_ids": list(item_ids),
-                           "on_missing": on_missing}).encode()
+        body = json.dumps(
+            {"user_id": user_id, "item_ids": list(item_ids), "on_missing": on_missing}
+        ).encode()
         return await self.infer(model, body, "application/json", deadline_ms=deadline_ms)
 
     async def models(self) -> dict[str, Any]:
@@ -139,8 +151,11 @@ class WorkerClient:
 def _error_of(status: int, payload: bytes, headers: Mapping[str, str]) -> WorkerResponseError:
     try:
         error = json.loads(payload)["error"]
-        message, kind, retryable = str(error["message"]), str(error["type"]), bool(
-            error["retryable"])
+        message, kind, retryable = (
+            str(error["message"]),
+            str(error["type"]),
+            bool(error["retryable"]),
+        )
     except (ValueError, KeyError, TypeError):
         message = payload[:200].decode("utf-8", "replace") or f"HTTP {status}"
         kind, retryable = "HTTPError", status in (429, 503)
@@ -150,6 +165,10 @@ def _error_of(status: int, payload: bytes, headers: Mapping[str, str]) -> Worker
             retry_after = float(headers["Retry-After"])
         except ValueError:
             retry_after = None
-    return WorkerResponseError(f"HTTP {status} {kind}: {message}", status=status,
-                               error_type=kind, retryable=retryable,
-                               retry_after_s=retry_after)
+    return WorkerResponseError(
+        f"HTTP {status} {kind}: {message}",
+        status=status,
+        error_type=kind,
+        retryable=retryable,
+        retry_after_s=retry_after,
+    )

@@ -178,7 +178,9 @@ class EdgeCacheFeatureSource:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Look up ``ids`` of ``entity`` through the edge cache client."""
         result = await self._client.get(
-            entity, list(ids), list(features) if features is not None else None,
+            entity,
+            list(ids),
+            list(features) if features is not None else None,
             max_staleness=self._max_staleness,
         )
         values = result.to_numpy()

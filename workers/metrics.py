@@ -36,29 +36,45 @@ class WorkerMetrics:
         self.latency = Histogram(
             "edgefeed_worker_latency_seconds",
             "Per-request latency by budget term (data, model, service, server)",
-            [*labels, "term"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            [*labels, "term"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.requests = Counter(
-            "edgefeed_worker_requests", "Requests answered, by HTTP status",
-            [*labels, "status"], registry=self.registry,
+            "edgefeed_worker_requests",
+            "Requests answered, by HTTP status",
+            [*labels, "status"],
+            registry=self.registry,
         )
         self.rejected = Counter(
-            "edgefeed_worker_rejected", "Requests refused (queue_full, draining, deadline, "
-            "bad_input, model_error)", [*labels, "reason"], registry=self.registry,
+            "edgefeed_worker_rejected",
+            "Requests refused (queue_full, draining, deadline, bad_input, model_error)",
+            [*labels, "reason"],
+            registry=self.registry,
         )
         self.batch_rows = Histogram(
-            "edgefeed_worker_batch_rows", "Rows per forward pass", labels,
-            buckets=_ROW_BUCKETS, registry=self.registry,
+            "edgefeed_worker_batch_rows",
+            "Rows per forward pass",
+            labels,
+            buckets=_ROW_BUCKETS,
+            registry=self.registry,
         )
         self.forward_seconds = Histogram(
-            "edgefeed_worker_forward_seconds", "Forward pass time per batch", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "edgefeed_worker_forward_seconds",
+            "Forward pass time per batch",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.queue_depth = Gauge(
-            "edgefeed_worker_queue_depth", "Requests waiting for a batch", labels,
+            "edgefeed_worker_queue_depth",
+            "Requests waiting for a batch",
+            labels,
             registry=self.registry,
         )
         self.ready = Gauge(
-            "edgefeed_worker_ready", "1 when the worker accepts requests", ["region"],
+            "edgefeed_worker_ready",
+            "1 when the worker accepts requests",
+            ["region"],
             registry=self.registry,
         )

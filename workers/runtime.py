@@ -72,8 +72,7 @@ def resolve_precision(precision: Precision | str, device: torch.device) -> str:
         )
     if precision == "int8" and device.type != "cpu":
         raise WorkerConfigError(
-            "precision 'int8' (dynamic quantization) runs on the CPU only; "
-            "use fp16 or bf16 on CUDA"
+            "precision 'int8' (dynamic quantization) runs on the CPU only; use fp16 or bf16 on CUDA"
         )
     if precision in ("fp16", "bf16") and device.type != "cuda":
         raise WorkerConfigError(
@@ -118,7 +117,7 @@ def _quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
         warnings.simplefilter("ignore", DeprecationWarning)
         from torch.ao.quantization import quantize_dynamic
 
-        quantized: torch.nn.Module = quantize_dynamic(
+        quantized: torch.nn.Module = quantize_dynamic(  # type: ignore[no-untyped-call]
             module, {torch.nn.Linear}, dtype=torch.qint8
         )
     return quantized

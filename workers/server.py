@@ -22,6 +22,7 @@ Endpoints:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -167,8 +168,9 @@ class InferenceServer:
 
     async def start(self, wait_ready: bool = True) -> None:
         """Listen, then load and warm up the models (readiness turns 200 after)."""
-        self._runner = web.AppRunner(self.make_app(), access_log=None,
-                                     shutdown_timeout=self.config.drain_timeout_s)
+        self._runner = web.AppRunner(
+            self.make_app(), access_log=None, shutdown_timeout=self.config.drain_timeout_s
+        )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await self._site.start()
@@ -183,8 +185,10 @@ class InferenceServer:
         loop = asyncio.get_running_loop()
         max_rows = self.batching.max_batch_size
         runtime = RuntimeConfig(
-            device=self.runtime.device, precision=self.runtime.precision,
-            compile=self.runtime.compile, max_batch_rows=max_rows,
+            device=self.runtime.device,
+            precision=self.runtime.precision,
+            compile=self.runtime.compile,
+            max_batch_rows=max_rows,
             bucket_sizes=tuple({*self.runtime.bucket_sizes, *self.batching.preferred_batch_sizes}),
             cpu_threads=self.runtime.cpu_threads,
         )
@@ -201,11 +205,15 @@ class InferenceServer:
                 self.metrics.forward_seconds.labels(*labels).observe(seconds)
 
             slot.runner = runner
-            slot.batcher = DynamicBatcher(runner.execute, self.batching, runner.estimate,
-                                          on_batch)
+            slot.batcher = DynamicBatcher(runner.execute, self.batching, runner.estimate, on_batch)
             slot.batcher.start()
-            log.info("model %s ready on %s (%s); warm-up ms per batch size: %s", name,
-                     runner.device, runner.precision, self.warmup_ms[name])
+            log.info(
+                "model %s ready on %s (%s); warm-up ms per batch size: %s",
+                name,
+                runner.device,
+                runner.precision,
+                self.warmup_ms[name],
+            )
         self._ready = True
         self.metrics.ready.labels(self.config.region).set(1)
 
@@ -215,16 +223,15 @@ class InferenceServer:
         self.metrics.ready.labels(self.config.region).set(0)
         if self._warmup is not None and not self._warmup.done():
             self._warmup.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._warmup
-            except asyncio.CancelledError:
-                pass
         for slot in self._slots.values():
             if slot.batcher is not None:
                 clean = await slot.batcher.drain(self.config.drain_timeout_s)
                 if not clean:
-                    log.warning("model %s: drain timed out; queued requests got 503",
-                                slot.model.name)
+                    log.warning(
+                        "model %s: drain timed out; queued requests got 503", slot.model.name
+                    )
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -243,7 +250,9 @@ class InferenceServer:
     def _error(self, exc: WorkersError, model: str) -> web.Response:
         headers: dict[str, str] = {}
         body: dict[str, Any] = {
-            "type": type(exc).__name__, "message": str(exc), "retryable": exc.retryable,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "retryable": exc.retryable,
         }
         if isinstance(exc, OverloadedError):
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
@@ -302,8 +311,11 @@ class InferenceServer:
         data_start = time.perf_counter()
         try:
             prepared = await slot.model.parse(
-                body, request.headers.get("Content-Type"), request.headers,
-                max_rows=self.batching.max_batch_size, max_bytes=limit,
+                body,
+                request.headers.get("Content-Type"),
+                request.headers,
+                max_rows=self.batching.max_batch_size,
+                max_bytes=limit,
             )
         except WorkersError:
             raise
@@ -315,8 +327,10 @@ class InferenceServer:
         data_s = time.perf_counter() - data_start
         labels = (self.config.region, slot.model.name)
         self.metrics.queue_depth.labels(*labels).set(slot.batcher.queue_depth + 1)
-        remaining = None if budget is None else budget - (time.perf_counter() - start)
-        if remaining is not None and remaining <= 0:
+        remaining = None
+        if budget is not None:
+            remaining = budget - (time.perf_counter() - start)
+        if budget is not None and remaining is not None and remaining <= 0:
             raise DeadlineExceededError(
                 f"budget of {budget * 1e3:.1f} ms was spent before queueing "
                 f"(decode and feature lookup took {data_s * 1e3:.1f} ms)"
@@ -326,11 +340,17 @@ class InferenceServer:
         text = json.dumps(slot.model.render(prepared, result.output))
         server_s = time.perf_counter() - start
         timing = ServerTiming(
-            data_s=data_s, model_s=result.model_s,
-            service_s=max(0.0, server_s - data_s - result.model_s), batch_rows=result.batch_rows,
+            data_s=data_s,
+            model_s=result.model_s,
+            service_s=max(0.0, server_s - data_s - result.model_s),
+            batch_rows=result.batch_rows,
         )
-        for term, value in (("data", timing.data_s), ("model", timing.model_s),
-                            ("service", timing.service_s), ("server", server_s)):
+        for term, value in (
+            ("data", timing.data_s),
+            ("model", timing.model_s),
+            ("service", timing.service_s),
+            ("server", server_s),
+        ):
             self.metrics.latency.labels(*labels, term).observe(value)
         self.metrics.requests.labels(*labels, "200").inc()
         return web.Response(text=text, content_type="application/json", headers=timing.headers())
@@ -349,11 +369,13 @@ class InferenceServer:
                     "max_queue_delay_ms": self.batching.max_queue_delay_s * 1e3,
                     "max_queue_size": self.batching.max_queue_size,
                     "queue_depth": slot.batcher.queue_depth,
-                    "batches": stats.batches, "completed": stats.completed,
+                    "batches": stats.batches,
+                    "completed": stats.completed,
                 }
             models.append(entry)
-        return web.json_response({"region": self.config.region, "ready": self.ready,
-                                  "models": models})
+        return web.json_response(
+            {"region": self.config.region, "ready": self.ready, "models": models}
+        )
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -362,12 +384,15 @@ class InferenceServer:
         if self.ready:
             return web.json_response({"ready": True})
         reason = "draining" if self._draining else "warming up"
-        return web.json_response({"ready": False, "reason": reason}, status=503,
-                                 headers={"Retry-After": "1"})
+        return web.json_response(
+            {"ready": False, "reason": reason}, status=503, headers={"Retry-After": "1"}
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
 
 
 async def run_server(server: InferenceServer, on_ready: Any = None) -> None:

@@ -60,10 +60,10 @@ def train_classifier(
     x, y = torch.from_numpy(images), torch.from_numpy(labels)
     for _ in range(epochs):
         module.train()
-        for batch in torch.randperm(samples).split(64):
+        for batch in torch.randperm(samples).split(64):  # type: ignore[no-untyped-call]
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(module(x[batch]), y[batch])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
     module.eval()
     return module, {"held_out_accuracy": classifier_accuracy(module, held_images, held_labels)}
@@ -83,11 +83,11 @@ def train_ranker(
     u, i, c = torch.from_numpy(users), torch.from_numpy(items), torch.from_numpy(clicked)
     for _ in range(epochs):
         module.train()
-        for batch in torch.randperm(samples).split(256):
+        for batch in torch.randperm(samples).split(256):  # type: ignore[no-untyped-call]
             optimizer.zero_grad()
             probs = module(uf[u[batch]], itf[i[batch]]).clamp(1e-6, 1 - 1e-6)
             loss = nn.functional.binary_cross_entropy(probs, c[batch])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
     module.eval()
     with torch.inference_mode():
@@ -107,15 +107,23 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     classifier_config = ClassifierConfig(num_classes=len(SHAPE_CLASSES))
     classifier, metrics = train_classifier(classifier_config, seed=args.seed)
-    save_checkpoint(args.out / "image_classifier.pt", "image-classifier", classifier_config,
-                    classifier, labels=SHAPE_CLASSES, version="demo-1", metrics=metrics)
+    save_checkpoint(
+        args.out / "image_classifier.pt",
+        "image-classifier",
+        classifier_config,
+        classifier,
+        labels=SHAPE_CLASSES,
+        version="demo-1",
+        metrics=metrics,
+    )
     print(f"image-classifier: {metrics} ({time.perf_counter() - start:.1f} s)")
 
     start = time.perf_counter()
     ranker_config = RankerConfig()
     ranker, metrics = train_ranker(ranker_config, seed=args.seed)
-    save_checkpoint(args.out / "ranker.pt", "ranker", ranker_config, ranker,
-                    version="demo-1", metrics=metrics)
+    save_checkpoint(
+        args.out / "ranker.pt", "ranker", ranker_config, ranker, version="demo-1", metrics=metrics
+    )
     print(f"ranker: {metrics} ({time.perf_counter() - start:.1f} s)")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -40,14 +40,18 @@ class ClassifierConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, so checkpoints load with ``torch.load(weights_only=True)``."""
-        return {key: list(value) if isinstance(value, tuple) else value
-                for key, value in asdict(self).items()}
+        return {
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClassifierConfig:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{key: tuple(value) if isinstance(value, list) else value
-                      for key, value in data.items()})
+        fields: dict[str, Any] = {
+            key: tuple(value) if isinstance(value, list) else value for key, value in data.items()
+        }
+        return cls(**fields)
 
 
 class ImageClassifierNet(nn.Module):
@@ -66,8 +70,11 @@ class ImageClassifierNet(nn.Module):
         layers: list[nn.Module] = []
         in_channels = 3
         for out_channels in config.channels:
-            layers += [nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.ReLU(),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(in_channels, out_channels, 3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             in_channels = out_channels
         self.features = nn.Sequential(*layers)
         head: list[nn.Module] = []
@@ -79,8 +86,8 @@ class ImageClassifierNet(nn.Module):
         self.head = nn.Sequential(*head)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        mean: torch.Tensor = self.pixel_mean
-        scale: torch.Tensor = self.pixel_scale
+        mean = cast(torch.Tensor, self.pixel_mean)
+        scale = cast(torch.Tensor, self.pixel_scale)
         x = images.permute(0, 3, 1, 2).to(mean.dtype)
         x = (x - mean) * scale
         x = self.features(x)
@@ -152,8 +159,10 @@ class TensorModel(ServedModel):
         return {"model": self.name, "version": self.version, "outputs": output.tolist()}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "input": {"shape": ["n", *self.row_shape],
-                                                "dtype": self.dtype.name}}
+        return {
+            **super().describe(),
+            "input": {"shape": ["n", *self.row_shape], "dtype": self.dtype.name},
+        }
 
 
 class ImageClassifier(TensorModel):
@@ -187,11 +196,19 @@ class ImageClassifier(TensorModel):
         predictions = []
         for row_logits, row_probs in zip(output, probs, strict=True):
             order = np.argsort(-row_probs)[:k]
-            predictions.append({
-                "top": [{"index": int(i), "label": self._label(int(i)),
-                         "score": float(row_probs[i])} for i in order],
-                "logits": row_logits.tolist(),
-            })
+            predictions.append(
+                {
+                    "top": [
+                        {
+                            "index": int(i),
+                            "label": self._label(int(i)),
+                            "score": float(row_probs[i]),
+                        }
+                        for i in order
+                    ],
+                    "logits": row_logits.tolist(),
+                }
+            )
         return {"model": self.name, "version": self.version, "predictions": predictions}
 
     def _label(self, index: int) -> str:

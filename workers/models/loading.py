@@ -61,15 +61,18 @@ def save_checkpoint(
     metrics: dict[str, float] | None = None,
 ) -> None:
     """Write an edgefeed checkpoint that :func:`load_checkpoint` reads back."""
-    torch.save({
-        "format": CHECKPOINT_FORMAT,
-        "arch": arch,
-        "config": config.to_dict(),
-        "state_dict": module.state_dict(),
-        "labels": list(labels),
-        "version": version,
-        "metrics": dict(metrics or {}),
-    }, Path(path))
+    torch.save(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "arch": arch,
+            "config": config.to_dict(),
+            "state_dict": module.state_dict(),
+            "labels": list(labels),
+            "version": version,
+            "metrics": dict(metrics or {}),
+        },
+        Path(path),
+    )
 
 
 def load_checkpoint(path: str | Path, arch: str | None = None) -> dict[str, Any]:
@@ -100,8 +103,15 @@ def load_checkpoint(path: str | Path, arch: str | None = None) -> dict[str, Any]
     config: ClassifierConfig | RankerConfig = (
         ClassifierConfig() if arch == "image-classifier" else RankerConfig()
     )
-    return {"format": CHECKPOINT_FORMAT, "arch": arch, "config": config.to_dict(),
-            "state_dict": raw, "labels": [], "version": path.stem, "metrics": {}}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "arch": arch,
+        "config": config.to_dict(),
+        "state_dict": raw,
+        "labels": [],
+        "version": path.stem,
+        "metrics": {},
+    }
 
 
 def _build(checkpoint: dict[str, Any], path: Path) -> tuple[nn.Module, Any]:
@@ -141,7 +151,7 @@ def load_module_file(path: str | Path) -> nn.Module:
         # users still have .pt TorchScript files; loading them is still supported.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            scripted: nn.Module = torch.jit.load(str(path), map_location="cpu")
+            scripted: nn.Module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
         return scripted.eval()
     except Exception as exc:
         raise ModelLoadError(
@@ -190,8 +200,9 @@ def load_served_model(
                 raise WorkerConfigError(
                     f"classifier input shape must be (size, size, 3), got {tuple(input_shape)}"
                 )
-            return ImageClassifier(name, module, labels, int(input_shape[0]),
-                                   version=Path(model_file).stem)
+            return ImageClassifier(
+                name, module, labels, int(input_shape[0]), version=Path(model_file).stem
+            )
         return TensorModel(name, module, input_shape, input_dtype, version=Path(model_file).stem)
     if name not in BUILTIN_MODELS:
         raise UnknownModelError(
@@ -202,8 +213,7 @@ def load_served_model(
     path = Path(weights) if weights is not None else WEIGHTS_DIR / filename
     if weights is None and not path.is_file():
         raise ModelLoadError(
-            f"demo weights {str(path)!r} are missing; make them with "
-            "`python -m workers.train_demo`"
+            f"demo weights {str(path)!r} are missing; make them with `python -m workers.train_demo`"
         )
     checkpoint = load_checkpoint(path, arch)
     if checkpoint["arch"] != arch:
@@ -211,8 +221,9 @@ def load_served_model(
     module, config = _build(checkpoint, path)
     version = str(checkpoint.get("version", "1"))
     if arch == "image-classifier":
-        return ImageClassifier(name, module, checkpoint.get("labels") or [], config.image_size,
-                               version=version)
+        return ImageClassifier(
+            name, module, checkpoint.get("labels") or [], config.image_size, version=version
+        )
     if features is None:
         raise WorkerConfigError(
             f"model {name!r} reads features from the edge cache; give it a feature source "

@@ -48,14 +48,18 @@ class RankerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (loads with ``weights_only=True``)."""
-        return {key: list(value) if isinstance(value, tuple) else value
-                for key, value in asdict(self).items()}
+        return {
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankerConfig:
         """Inverse of :meth:`to_dict`."""
-        return cls(**{key: tuple(value) if isinstance(value, list) else value
-                      for key, value in data.items()})
+        fields: dict[str, Any] = {
+            key: tuple(value) if isinstance(value, list) else value for key, value in data.items()
+        }
+        return cls(**fields)
 
 
 class RankingNet(nn.Module):
@@ -63,10 +67,12 @@ class RankingNet(nn.Module):
 
     def __init__(self, config: RankerConfig) -> None:
         super().__init__()
-        self.user_tower = nn.Sequential(nn.Linear(len(config.user_features), config.tower),
-                                        nn.ReLU())
-        self.item_tower = nn.Sequential(nn.Linear(len(config.item_features), config.tower),
-                                        nn.ReLU())
+        self.user_tower = nn.Sequential(
+            nn.Linear(len(config.user_features), config.tower), nn.ReLU()
+        )
+        self.item_tower = nn.Sequential(
+            nn.Linear(len(config.item_features), config.tower), nn.ReLU()
+        )
         layers: list[nn.Module] = []
         width = 3 * config.tower
         for hidden in config.hidden:
@@ -100,11 +106,12 @@ class RankRequest(BaseModel):
     on_missing: Literal["reject", "drop"] = "reject"
 
 
-def _describe_missing(entity: str, ids: Sequence[str], mask: np.ndarray,
-                      names: Sequence[str]) -> str:
+def _describe_missing(
+    entity: str, ids: Sequence[str], mask: np.ndarray, names: Sequence[str]
+) -> str:
     parts = []
     for row, entity_id in enumerate(ids):
-        missing = [names[col] for col in np.flatnonzero(mask[row])]
+        missing = [names[int(col)] for col in np.flatnonzero(mask[row])]
         if not missing:
             continue
         what = "no features" if len(missing) == len(names) else f"missing {missing}"
@@ -123,8 +130,14 @@ class Ranker(ServedModel):
         version: Model version.
     """
 
-    def __init__(self, name: str, module: nn.Module, config: RankerConfig,
-                 features: FeatureSource, version: str = "1") -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        config: RankerConfig,
+        features: FeatureSource,
+        version: str = "1",
+    ) -> None:
         self.name = name
         self.module = module
         self.config = config
@@ -165,31 +178,40 @@ class Ranker(ServedModel):
         )
         if user_mask.any():
             raise MissingFeaturesError(
-                "cannot rank: " + _describe_missing(cfg.user_entity, [request.user_id],
-                                                    user_mask, cfg.user_features)
+                "cannot rank: "
+                + _describe_missing(
+                    cfg.user_entity, [request.user_id], user_mask, cfg.user_features
+                )
                 + "; sync the user to this region's edge cache"
             )
-        incomplete = item_mask.any(axis=1)
+        incomplete = [bool(flag) for flag in item_mask.any(axis=1)]
         dropped: list[str] = []
         item_ids = request.item_ids
-        if incomplete.any():
-            if request.on_missing == "reject" or incomplete.all():
+        if any(incomplete):
+            if request.on_missing == "reject" or all(incomplete):
                 raise MissingFeaturesError(
-                    "cannot rank: " + _describe_missing(cfg.item_entity, request.item_ids,
-                                                        item_mask, cfg.item_features)
+                    "cannot rank: "
+                    + _describe_missing(
+                        cfg.item_entity, request.item_ids, item_mask, cfg.item_features
+                    )
                     + '; sync the items or send "on_missing": "drop"'
                 )
             dropped = [i for i, bad in zip(item_ids, incomplete, strict=True) if bad]
             item_ids = [i for i, bad in zip(item_ids, incomplete, strict=True) if not bad]
-            items = items[~incomplete]
+            items = items[~np.array(incomplete)]
         rows = len(item_ids)
         user_rows = np.ascontiguousarray(np.broadcast_to(users, (rows, users.shape[1])))
-        return Prepared(inputs=(user_rows, np.ascontiguousarray(items)), rows=rows,
-                        meta=(request.user_id, item_ids, dropped))
+        return Prepared(
+            inputs=(user_rows, np.ascontiguousarray(items)),
+            rows=rows,
+            meta=(request.user_id, item_ids, dropped),
+        )
 
     def example_rows(self, rows: int) -> tuple[np.ndarray, ...]:
-        return (np.zeros((rows, len(self.config.user_features)), dtype=np.float32),
-                np.zeros((rows, len(self.config.item_features)), dtype=np.float32))
+        return (
+            np.zeros((rows, len(self.config.user_features)), dtype=np.float32),
+            np.zeros((rows, len(self.config.item_features)), dtype=np.float32),
+        )
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
         user_id, item_ids, dropped = prepared.meta
@@ -206,9 +228,13 @@ class Ranker(ServedModel):
 
     def describe(self) -> dict[str, Any]:
         cfg = self.config
-        return {**super().describe(),
-                "features": {cfg.user_entity: list(cfg.user_features),
-                             cfg.item_entity: list(cfg.item_features)}}
+        return {
+            **super().describe(),
+            "features": {
+                cfg.user_entity: list(cfg.user_features),
+                cfg.item_entity: list(cfg.item_features),
+            },
+        }
 
     async def aclose(self) -> None:
         await self.features.aclose()
