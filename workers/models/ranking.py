@@ -184,7 +184,8 @@ class Ranker(ServedModel):
                 )
                 + "; sync the user to this region's edge cache"
             )
-        incomplete = [bool(flag) for flag in item_mask.any(axis=1)]
+        row_missing = np.asarray(np.asarray(item_mask).any(axis=1), dtype=bool).reshape(-1)
+        incomplete = [bool(flag) for flag in row_missing]
         dropped: list[str] = []
         item_ids = request.item_ids
         if any(incomplete):
