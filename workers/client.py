@@ -16,8 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import numpy as np
+
+try:
+    import aiohttp
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("the model workers need aiohttp: pip install 'edgefeed[workers]'") from exc
 
 from workers.exceptions import WorkerResponseError
 from workers.inputs import NPY_TYPE, encode_npy

@@ -9,6 +9,7 @@ the CPU it runs fp32 or int8 dynamic quantization of the ``Linear`` layers.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -18,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "the model workers need PyTorch: pip install torch==2.13.0 'edgefeed[workers]'"
+    ) from exc
 
 from workers.exceptions import WorkerConfigError
 
@@ -34,6 +41,8 @@ __all__ = [
 DeviceName = Literal["auto", "cpu", "cuda"]
 Precision = Literal["auto", "fp32", "fp16", "bf16", "int8"]
 CompileMode = Literal["auto", "on", "off"]
+
+log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -155,6 +164,7 @@ class ModelRunner:
     precision: str = field(init=False)
     buckets: tuple[int, ...] = field(init=False)
     static_shapes: bool = field(init=False)
+    _eager: torch.nn.Module | None = field(init=False, default=None)
     _estimates: dict[int, _Estimate] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
@@ -180,6 +190,7 @@ class ModelRunner:
         # handful of graphs (one per bucket, captured at warm-up) serve all traffic.
         self.static_shapes = use_compile
         if use_compile:
+            self._eager = module
             module = torch.compile(module, mode="reduce-overhead", dynamic=False)  # type: ignore[assignment]
         self.module = module
 
@@ -222,6 +233,12 @@ class ModelRunner:
         (with compile) graph capture, so the first user request does not.
         """
         timings: dict[int, float] = {}
+        if self._eager is not None:
+            try:
+                self._forward([example_rows(self.buckets[0])])
+            except Exception:  # compilation needs a toolchain (Triton, a C++ compiler)
+                log.warning("torch.compile failed; serving the eager model", exc_info=True)
+                self.module, self._eager, self.static_shapes = self._eager, None, False
         for size in self.buckets:
             inputs = example_rows(size)
             for _ in range(max(1, rounds)):

@@ -32,7 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+try:
+    from aiohttp import web
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("the model workers need aiohttp: pip install 'edgefeed[workers]'") from exc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from workers.batcher import BatchingConfig, DynamicBatcher

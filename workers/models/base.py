@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "the model workers need PyTorch: pip install torch==2.13.0 'edgefeed[workers]'"
+    ) from exc
 
 __all__ = ["Prepared", "ServedModel"]
 
