@@ -120,10 +120,12 @@ def default_buckets(max_rows: int, extra: Sequence[int] = ()) -> tuple[int, ...]
 
 
 def _quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
-    # torch.ao.quantization warns that it will move to torchao; it still ships in
-    # torch 2.x with fbgemm int8 GEMM kernels, which is what a CPU worker wants.
+    # torch.ao.quantization warns (DeprecationWarning, and a UserWarning for the
+    # quantized tensor constructors) that it will move to torchao; it still ships
+    # in torch 2.x with fbgemm int8 GEMM kernels, which is what a CPU worker wants.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
         from torch.ao.quantization import quantize_dynamic
 
         quantized: torch.nn.Module = quantize_dynamic(  # type: ignore[no-untyped-call]
