@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (sys.path is fixed before the imports; see below)
 """Benchmark of the model workers (docs/benchmarks.md, "Model workers").
 
     .venv/bin/python benchmarks/workers.py            # full run, CPU: about a minute
@@ -231,8 +232,8 @@ def _predict(runner: ModelRunner, inputs: tuple[np.ndarray, ...], batch: int) ->
 
 
 def precision_comparison(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    from workers.train_demo import HELD_OUT_SEED, auc
     from workers.synthetic import click_world
+    from workers.train_demo import HELD_OUT_SEED, auc
 
     reduced = "fp16" if device.startswith("cuda") else "int8"
     out: dict[str, Any] = {"reduced": reduced, "latency_ms": {}, "accuracy": {}}
