@@ -326,6 +326,13 @@ class DynamicBatcher:
             outputs, model_s = await loop.run_in_executor(
                 self._executor, self._execute, [item.inputs for item in batch]
             )
+        except asyncio.CancelledError:  # drain timed out with this batch still running
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(
+                        DrainingError("worker shut down while this request's batch was running")
+                    )
+            raise
         except Exception as exc:  # a failing batch fails only its own requests
             self.stats.failed += len(batch)
             for item in batch:
@@ -387,5 +394,6 @@ class DynamicBatcher:
                     )
                 )
         self._queued_rows = 0
-        self._executor.shutdown(wait=True)
+        # A batch stuck past the timeout cannot be interrupted; do not wait for it.
+        self._executor.shutdown(wait=clean, cancel_futures=True)
         return clean
