@@ -9,6 +9,7 @@ the CPU it runs fp32 or int8 dynamic quantization of the ``Linear`` layers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -180,7 +181,9 @@ class ModelRunner:
         self.buckets = default_buckets(self.config.max_batch_rows, self.config.bucket_sizes)
         if self.device.type == "cpu" and self.config.cpu_threads:
             torch.set_num_threads(self.config.cpu_threads)
-        module = self.module.eval()
+        module = self.module
+        with contextlib.suppress(NotImplementedError):  # torch.export modules have no eval()
+            module.eval()
         if self.precision == "int8":
             module = _quantize_int8(module)
         else:

@@ -136,6 +136,7 @@ class InferenceServer:
             raise ValueError("model names must be distinct")
         self._ready = False
         self._draining = False
+        self._stopped = False
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._warmup: asyncio.Task[None] | None = None
@@ -182,7 +183,11 @@ class InferenceServer:
         self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
         if wait_ready:
-            await self._warmup
+            try:
+                await self._warmup
+            except BaseException:
+                await self.stop()
+                raise
 
     async def _warm_up(self) -> None:
         loop = asyncio.get_running_loop()
@@ -221,13 +226,20 @@ class InferenceServer:
         self.metrics.ready.labels(self.config.region).set(1)
 
     async def stop(self) -> None:
-        """Drain: refuse new requests (503), finish queued ones, close the listener."""
+        """Drain: refuse new requests (503), finish queued ones, close the listener.
+
+        Idempotent: a second call returns at once.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
         self._draining = True
         self.metrics.ready.labels(self.config.region).set(0)
-        if self._warmup is not None and not self._warmup.done():
-            self._warmup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._warmup
+        if self._warmup is not None:
+            if not self._warmup.done():
+                self._warmup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warmup  # a warm-up failure was raised by start() already
         for slot in self._slots.values():
             if slot.batcher is not None:
                 clean = await slot.batcher.drain(self.config.drain_timeout_s)

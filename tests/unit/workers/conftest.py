@@ -16,6 +16,7 @@ import pytest
 from workers.models import TensorModel
 from workers_doubles import Eventually, GatedDouble  # type: ignore[import-not-found]
 
+
 @pytest.fixture
 def gated() -> GatedDouble:
     return GatedDouble()

@@ -26,9 +26,10 @@ async def test_full_queue_answers_429_with_retry_after_and_admitted_requests_com
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
     config = BatchingConfig(max_batch_size=1, max_queue_size=4, max_queue_delay_s=0.0)
-    async with InferenceServer([gated_model], batching=config) as server, WorkerClient(
-        server.url
-    ) as client:
+    async with (
+        InferenceServer([gated_model], batching=config) as server,
+        WorkerClient(server.url) as client,
+    ):
         gated.hold()
         admitted = [asyncio.create_task(client.classify("double", _row(0)))]
         await eventually(gated.in_forward.is_set, "first request in flight")
@@ -78,9 +79,10 @@ async def test_queued_request_whose_deadline_passes_is_refused_not_served_late(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
     config = BatchingConfig(max_batch_size=1, max_queue_delay_s=0.0)
-    async with InferenceServer([gated_model], batching=config) as server, WorkerClient(
-        server.url
-    ) as client:
+    async with (
+        InferenceServer([gated_model], batching=config) as server,
+        WorkerClient(server.url) as client,
+    ):
         gated.hold()
         first = asyncio.create_task(client.classify("double", _row(1)))
         await eventually(gated.in_forward.is_set, "first request in flight")
@@ -123,8 +125,9 @@ async def test_drain_finishes_queued_requests_and_refuses_new_ones(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
     config = BatchingConfig(max_batch_size=2, max_queue_delay_s=0.0)
-    server = InferenceServer([gated_model], batching=config,
-                             config=ServerConfig(drain_timeout_s=30))
+    server = InferenceServer(
+        [gated_model], batching=config, config=ServerConfig(drain_timeout_s=30)
+    )
     await server.start()
     client = WorkerClient(server.url)
     try:

@@ -19,11 +19,14 @@ from workers.train_demo import HELD_OUT_SEED
 from workers_doubles import POISON, Eventually, GatedDouble  # type: ignore[import-not-found]
 
 
-async def _classify_all(batching: BatchingConfig, images: np.ndarray) -> tuple[np.ndarray, list[int]]:
+async def _classify_all(
+    batching: BatchingConfig, images: np.ndarray
+) -> tuple[np.ndarray, list[int]]:
     model = load_served_model("image-classifier")
-    async with InferenceServer([model], batching=batching) as server, WorkerClient(
-        server.url
-    ) as client:
+    async with (
+        InferenceServer([model], batching=batching) as server,
+        WorkerClient(server.url) as client,
+    ):
         answers = await asyncio.gather(
             *(client.classify("image-classifier", image) for image in images)
         )
@@ -59,15 +62,17 @@ async def test_requests_with_several_rows_batch_and_come_back_in_order(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
     config = BatchingConfig(max_batch_size=8, max_queue_delay_s=0.0)
-    async with InferenceServer([gated_model], batching=config) as server, WorkerClient(
-        server.url
-    ) as client:
+    async with (
+        InferenceServer([gated_model], batching=config) as server,
+        WorkerClient(server.url) as client,
+    ):
         gated.hold()
         first = asyncio.create_task(client.classify("double", np.full((1, 4), 9, np.float32)))
         await eventually(gated.in_forward.is_set, "first batch in flight")
         sizes = (3, 1, 4)
-        arrays = [np.arange(n * 4, dtype=np.float32).reshape(n, 4) + 100 * i
-                  for i, n in enumerate(sizes)]
+        arrays = [
+            np.arange(n * 4, dtype=np.float32).reshape(n, 4) + 100 * i for i, n in enumerate(sizes)
+        ]
         tasks = [asyncio.create_task(client.classify("double", a)) for a in arrays]
         await eventually(lambda: server.batcher("double").queue_depth == 3, "3 requests queued")
         gated.release()
@@ -83,9 +88,10 @@ async def test_preferred_batch_size_goes_without_waiting_for_the_queue_delay(
 ) -> None:
     # A one-hour queue delay: only the preferred size can make the batch go.
     config = BatchingConfig(max_batch_size=8, preferred_batch_sizes=(2,), max_queue_delay_s=3600)
-    async with InferenceServer([gated_model], batching=config) as server, WorkerClient(
-        server.url
-    ) as client:
+    async with (
+        InferenceServer([gated_model], batching=config) as server,
+        WorkerClient(server.url) as client,
+    ):
         answers = await asyncio.gather(
             *(client.classify("double", np.full(4, i, np.float32)) for i in range(2))
         )
@@ -96,19 +102,23 @@ async def test_failing_batch_fails_only_its_own_requests(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
     config = BatchingConfig(max_batch_size=2, max_queue_delay_s=0.0)
-    async with InferenceServer([gated_model], batching=config) as server, WorkerClient(
-        server.url
-    ) as client:
+    async with (
+        InferenceServer([gated_model], batching=config) as server,
+        WorkerClient(server.url) as client,
+    ):
         gated.hold()
         first = asyncio.create_task(client.classify("double", np.full(4, 1, np.float32)))
         await eventually(gated.in_forward.is_set, "first batch in flight")
         values = [POISON, 2.0, 3.0, 4.0]  # batches: [poison, 2] and [3, 4]
         tasks = []
         for value in values:
-            tasks.append(asyncio.create_task(client.classify("double", np.full(4, value,
-                                                                               np.float32))))
-            await eventually(lambda n=len(tasks): server.batcher("double").queue_depth == n,
-                             f"{len(tasks)} queued")
+            tasks.append(
+                asyncio.create_task(client.classify("double", np.full(4, value, np.float32)))
+            )
+            await eventually(
+                lambda n=len(tasks): server.batcher("double").queue_depth == n,
+                f"{len(tasks)} queued",
+            )
         gated.release()
         results = await asyncio.gather(first, *tasks, return_exceptions=True)
         after = await client.classify("double", np.full(4, 5, np.float32))
