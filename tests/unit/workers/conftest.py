@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 
 import pytest
-from workers.models import TensorModel
 from workers_doubles import Eventually, GatedDouble  # type: ignore[import-not-found]
+
+from workers.models import TensorModel
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from workers_doubles import Eventually, GatedDouble, metric_value  # type: ignore[import-not-found]
 
 from workers.batcher import BatchingConfig, DynamicBatcher
 from workers.client import WorkerClient
 from workers.exceptions import DeadlineExceededError, DrainingError, WorkerResponseError
 from workers.models import TensorModel
 from workers.server import InferenceServer, ServerConfig
-from workers_doubles import Eventually, GatedDouble, metric_value  # type: ignore[import-not-found]
 
 
 def _row(value: float) -> np.ndarray:
@@ -65,7 +65,7 @@ async def test_request_that_cannot_meet_its_deadline_is_refused_at_admission() -
     batcher = DynamicBatcher(execute, BatchingConfig(max_batch_size=4), lambda rows: 0.5)
     batcher.start()
     try:
-        with pytest.raises(DeadlineExceededError, match="deadline of 100.0 ms cannot be met"):
+        with pytest.raises(DeadlineExceededError, match=r"deadline of 100\.0 ms cannot be met"):
             await batcher.submit((np.zeros((1, 4), np.float32),), 1, deadline_s=0.1)
         result = await batcher.submit((np.ones((1, 4), np.float32),), 1, deadline_s=5.0)
     finally:
@@ -161,7 +161,7 @@ async def test_drain_finishes_queued_requests_and_refuses_new_ones(
     assert 9.0 not in gated.values_run
 
 
-async def test_drain_timeout_fails_what_is_still_queued() -> None:
+async def test_drain_timeout_fails_what_is_still_queued(eventually: Eventually) -> None:
     release = threading.Event()
 
     def execute(batch):  # type: ignore[no-untyped-def]
@@ -172,8 +172,10 @@ async def test_drain_timeout_fails_what_is_still_queued() -> None:
     first = asyncio.create_task(batcher.submit((np.zeros((1, 1)),), 1))
     second = asyncio.create_task(batcher.submit((np.ones((1, 1)),), 1))
     try:
-        while batcher.stats.admitted < 2 or batcher.queue_depth != 1:
-            await asyncio.sleep(0.002)
+        await eventually(
+            lambda: batcher.stats.admitted == 2 and batcher.queue_depth == 1,
+            "one request running, one queued",
+        )
         assert not await batcher.drain(timeout_s=0.05)
         with pytest.raises(DrainingError, match="drain timeout"):
             await second

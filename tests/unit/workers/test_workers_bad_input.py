@@ -10,8 +10,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from workers.inputs import NPY_TYPE, decode_array, encode_npy
 from workers.exceptions import InvalidTensorError, UnsupportedMediaTypeError
+from workers.inputs import NPY_TYPE, decode_array, encode_npy
 from workers.models import load_served_model
 from workers.server import InferenceServer, ServerConfig
 from workers.synthetic import shape_images

@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from workers_doubles import POISON, Eventually, GatedDouble  # type: ignore[import-not-found]
 
 from workers.batcher import BatchingConfig
 from workers.client import WorkerClient
@@ -15,8 +16,6 @@ from workers.runtime import ModelRunner, RuntimeConfig
 from workers.server import InferenceServer
 from workers.synthetic import shape_images
 from workers.train_demo import HELD_OUT_SEED
-
-from workers_doubles import POISON, Eventually, GatedDouble  # type: ignore[import-not-found]
 
 
 async def _classify_all(
@@ -111,14 +110,13 @@ async def test_failing_batch_fails_only_its_own_requests(
         await eventually(gated.in_forward.is_set, "first batch in flight")
         values = [POISON, 2.0, 3.0, 4.0]  # batches: [poison, 2] and [3, 4]
         tasks = []
-        for value in values:
+        batcher = server.batcher("double")
+        for count, value in enumerate(values, start=1):
             tasks.append(
                 asyncio.create_task(client.classify("double", np.full(4, value, np.float32)))
             )
-            await eventually(
-                lambda n=len(tasks): server.batcher("double").queue_depth == n,
-                f"{len(tasks)} queued",
-            )
+            # Queue them one by one so the batches are exactly [poison, 2] and [3, 4].
+            await eventually(lambda n=count: batcher.queue_depth == n, f"{count} queued")
         gated.release()
         results = await asyncio.gather(first, *tasks, return_exceptions=True)
         after = await client.classify("double", np.full(4, 5, np.float32))

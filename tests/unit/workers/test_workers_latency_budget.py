@@ -8,6 +8,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from workers_doubles import metric_value  # type: ignore[import-not-found]
 
 from workers.batcher import BatchingConfig
 from workers.bench import closed_loop, latency_table
@@ -17,7 +18,6 @@ from workers.models import load_served_model
 from workers.server import InferenceServer, ServerConfig
 from workers.synthetic import shape_images
 from workers.timing import ServerTiming
-from workers_doubles import metric_value  # type: ignore[import-not-found]
 
 IMAGES = shape_images(8, seed=2)[0]
 
@@ -80,13 +80,16 @@ async def test_client_breakdown_sums_to_the_round_trip_and_metrics_count_every_t
 
 async def test_closed_loop_reports_all_four_terms() -> None:
     model = load_served_model("image-classifier")
-    async with InferenceServer([model], batching=BatchingConfig(max_batch_size=8)) as server:
-        async with WorkerClient(server.url) as client:
 
-            async def send(c: WorkerClient, n: int) -> InferenceAnswer:
-                return await c.classify("image-classifier", IMAGES[n % len(IMAGES)])
+    async def send(c: WorkerClient, n: int) -> InferenceAnswer:
+        return await c.classify("image-classifier", IMAGES[n % len(IMAGES)])
 
-            result = await closed_loop(client, send, concurrency=4, requests=24, warmup_requests=4)
+    batching = BatchingConfig(max_batch_size=8)
+    async with (
+        InferenceServer([model], batching=batching) as server,
+        WorkerClient(server.url) as client,
+    ):
+        result = await closed_loop(client, send, concurrency=4, requests=24, warmup_requests=4)
     assert len(result.latencies) == 24 and not result.errors
     rows = latency_table(result)
     assert [row[0] for row in rows] == ["network", "data", "model", "service", "total"]

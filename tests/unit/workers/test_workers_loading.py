@@ -77,9 +77,12 @@ def _affine() -> torch.nn.Module:
 
 
 async def _serve_rows(model: TensorModel, rows: np.ndarray) -> np.ndarray:
-    async with InferenceServer([model], batching=BatchingConfig(max_batch_size=4)) as server:
-        async with WorkerClient(server.url) as client:
-            answer = await client.classify(model.name, rows)
+    batching = BatchingConfig(max_batch_size=4)
+    async with (
+        InferenceServer([model], batching=batching) as server,
+        WorkerClient(server.url) as client,
+    ):
+        answer = await client.classify(model.name, rows)
     return np.array(answer.body["outputs"])
 
 

@@ -33,7 +33,7 @@ def test_precision_must_fit_the_device() -> None:
     assert resolve_precision("auto", cpu) == "fp32"
     assert resolve_precision("int8", cpu) == "int8"
     assert resolve_precision("bf16", cuda) == "bf16"
-    with pytest.raises(WorkerConfigError, match="'int8' .* runs on the CPU only"):
+    with pytest.raises(WorkerConfigError, match=r"'int8' .* runs on the CPU only"):
         resolve_precision("int8", cuda)
     with pytest.raises(WorkerConfigError, match="'fp16' needs a CUDA device"):
         resolve_precision("fp16", cpu)
