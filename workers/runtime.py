@@ -272,7 +272,10 @@ class ModelRunner:
         return list(np.split(outputs, splits)), elapsed
 
     def _to_device(self, array: np.ndarray, rows: int) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        if not array.flags.writeable:  # views of request buffers; torch wants writable memory
+            array = array.copy()
+        host = torch.from_numpy(array)
         if self.static_shapes and host.shape[0] < self.bucket_for(rows):
             pad = torch.zeros(
                 (self.bucket_for(rows) - host.shape[0], *host.shape[1:]), dtype=host.dtype

@@ -160,7 +160,8 @@ def serve(
     def announce(running: InferenceServer) -> None:
         err_console.print(
             f"serving {model!r} for region {region!r} at {running.url} "
-            f"(warm-up ms per batch size: {running.warmup_ms[model]})"
+            f"(warm-up ms per batch size: {running.warmup_ms[model]})",
+            soft_wrap=True,
         )
 
     run_reported(lambda: asyncio.run(run_server(server, announce)))

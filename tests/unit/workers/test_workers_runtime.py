@@ -88,3 +88,12 @@ def test_failed_compilation_falls_back_to_the_eager_model(monkeypatch: pytest.Mo
     assert not runner.static_shapes
     outputs, _ = runner.execute([model.example_rows(2)])
     assert outputs[0].shape == (2, 6)
+
+
+def test_read_only_request_buffers_run_without_warnings() -> None:
+    model = load_served_model("image-classifier")
+    runner = ModelRunner(model.module, RuntimeConfig(device="cpu", max_batch_rows=2))
+    image = shape_images(1, seed=4)[0]
+    image.flags.writeable = False  # like np.frombuffer over a request body
+    (output,), _ = runner.execute([(image,)])
+    assert output.shape == (1, 6)
