@@ -20,7 +20,9 @@ install: $(STAMP) ## Install system packages (if missing), the venv and the proj
 demo: $(STAMP) ## Bring up the local stack and run the end-to-end demo
 	$(BIN)/edgefeed --settings examples/edgefeed.yaml demo run
 
-test: $(STAMP) ## Run the whole test suite (starts the real local services itself)
+test: $(STAMP) ## Lint, type-check, then run the whole test suite (starts the real services itself)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Run the unit tests only (no services)

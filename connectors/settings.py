@@ -1,10 +1,25 @@
-"""Settings of the CDC source database and the Kafka Connect cluster."""
+"""Settings of the CDC source database, the tables it feeds, and the Kafka Connect cluster."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+import os
+import re
+from pathlib import Path
+from typing import Literal
 
-__all__ = ["ConnectSettings", "DatabaseSettings"]
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+__all__ = [
+    "ConnectSettings",
+    "DatabaseSettings",
+    "SnapshotMode",
+    "SourceSettings",
+    "TableSettings",
+]
+
+SnapshotMode = Literal["initial", "no_data", "never", "when_needed", "always", "initial_only"]
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SLOT = re.compile(r"^[a-z0-9_]{1,63}$")
 
 
 class ConnectSettings(BaseModel):
@@ -13,12 +28,15 @@ class ConnectSettings(BaseModel):
     Attributes:
         url: Base URL of the Connect REST API, e.g. ``http://127.0.0.1:8083``.
         timeout_s: Timeout of one REST call, in seconds.
+        retries: How often a call is retried on 409 (rebalance in progress) and
+            5xx answers or a refused connection, with exponential backoff.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     url: str = "http://127.0.0.1:8083"
     timeout_s: float = Field(default=10.0, gt=0)
+    retries: int = Field(default=5, ge=0, le=20)
 
     @field_validator("url")
     @classmethod
@@ -31,7 +49,17 @@ class ConnectSettings(BaseModel):
 class DatabaseSettings(BaseModel):
     """The PostgreSQL database whose changes Debezium captures.
 
-    The password is a secret: it never appears in ``repr``, logs or errors.
+    The password is a secret: it never appears in ``repr``, logs or errors. Give
+    it one of three ways:
+
+    - ``password``: inline (usually ``${ENV}``-expanded); sent to Connect in the
+      connector config.
+    - ``password_env``: the name of an environment variable that both edgefeed
+      and every Connect worker have; the connector config holds only
+      ``${env:NAME}`` (Connect's EnvVarConfigProvider).
+    - ``password_file``: a file holding just the password (a Docker/Kubernetes
+      secret) at the same path for edgefeed and the Connect workers; the config
+      holds ``${dir:DIR:FILE}`` (Connect's DirectoryConfigProvider).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,6 +69,42 @@ class DatabaseSettings(BaseModel):
     dbname: str = "edgefeed"
     user: str = "postgres"
     password: SecretStr = SecretStr("")
+    password_env: str | None = None
+    password_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> DatabaseSettings:
+        given = [
+            name
+            for name, value in (
+                ("password", self.password.get_secret_value()),
+                ("password_env", self.password_env),
+                ("password_file", self.password_file),
+            )
+            if value
+        ]
+        if len(given) > 1:
+            raise ValueError(f"database has {' and '.join(given)}; give the password one way only")
+        return self
+
+    def secret(self) -> str:
+        """The password itself, from wherever it is configured ("" for none)."""
+        if self.password_env:
+            return os.environ.get(self.password_env, "")
+        if self.password_file:
+            try:
+                return self.password_file.read_text(encoding="utf-8").strip()
+            except OSError:
+                return ""
+        return self.password.get_secret_value()
+
+    def connect_password_reference(self) -> str:
+        """What the connector config holds for the password (a provider reference if any)."""
+        if self.password_env:
+            return f"${{env:{self.password_env}}}"
+        if self.password_file:
+            return f"${{dir:{self.password_file.parent}:{self.password_file.name}}}"
+        return self.password.get_secret_value()
 
     def dsn(self) -> str:
         """A libpq connection string (contains the password: never log it)."""
@@ -50,6 +114,167 @@ class DatabaseSettings(BaseModel):
             f"dbname={self.dbname}",
             f"user={self.user}",
         ]
-        if self.password.get_secret_value():
-            parts.append(f"password={self.password.get_secret_value()}")
+        secret = self.secret()
+        if secret:
+            parts.append(f"password={secret}")
         return " ".join(parts)
+
+
+class TableSettings(BaseModel):
+    """One captured table.
+
+    Attributes:
+        name: ``schema.table`` (``public`` if no schema is given).
+        key: Columns that identify an entity; they become the Kafka message key
+            (``message.key.columns``), so a table needs no primary key.
+        home_region_column: Column holding the entity's home region, for tables
+            of personal data; None for shared data (items, prices).
+        exclude_columns: Columns never captured (``column.exclude.list``).
+        snapshot: Include the table's existing rows in the initial snapshot.
+        replica_identity: ``full`` makes updates and deletes carry the whole old
+            row (``before``); apply sets it on the table. Needed where a change of
+            the home region must remove the entity from its old region.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    key: list[str] = Field(min_length=1)
+    home_region_column: str | None = None
+    exclude_columns: list[str] = Field(default_factory=list)
+    snapshot: bool = True
+    replica_identity: Literal["default", "full"] = "default"
+
+    @field_validator("name")
+    @classmethod
+    def _qualified(cls, value: str) -> str:
+        parts = value.split(".")
+        if len(parts) == 1:
+            parts = ["public", *parts]
+        if len(parts) != 2 or not all(_IDENT.match(part) for part in parts):
+            raise ValueError(
+                f"table {value!r} must be 'schema.table' or 'table' made of letters, "
+                "digits and underscores"
+            )
+        return ".".join(parts)
+
+    @field_validator("key", "exclude_columns")
+    @classmethod
+    def _columns(cls, value: list[str]) -> list[str]:
+        for column in value:
+            if not _IDENT.match(column):
+                raise ValueError(f"column {column!r} must be letters, digits and underscores")
+        return value
+
+    @model_validator(mode="after")
+    def _key_not_excluded(self) -> TableSettings:
+        clash = sorted(set(self.key) & set(self.exclude_columns))
+        if clash:
+            raise ValueError(
+                f"table {self.name}: key column(s) {', '.join(clash)} cannot be excluded"
+            )
+        if self.home_region_column and self.home_region_column in self.exclude_columns:
+            raise ValueError(
+                f"table {self.name}: home_region_column {self.home_region_column!r} "
+                "cannot be excluded"
+            )
+        return self
+
+    @property
+    def schema_name(self) -> str:
+        return self.name.split(".")[0]
+
+    @property
+    def table_name(self) -> str:
+        return self.name.split(".")[1]
+
+
+class SourceSettings(BaseModel):
+    """One Debezium PostgreSQL connector: a set of tables of the source database.
+
+    Attributes:
+        name: Short name; the connector is called ``edgefeed-<name>``.
+        tables: The captured tables.
+        topic_prefix: Prefix of the change topics, ``<prefix>.<schema>.<table>``.
+        slot_name: Replication slot (stable per connector); default ``edgefeed_<name>``.
+        publication: Publication name; default ``edgefeed_<name>``.
+        snapshot_mode: Debezium's ``snapshot.mode``.
+        heartbeat_interval_ms: Heartbeat period, so a quiet database does not make
+            the slot retain WAL forever.
+        poll_interval_ms: How long Debezium waits for more changes before
+            handing a batch to Connect; low values mean fresher caches.
+        partitions: Partitions of each change topic Connect creates.
+        replication_factor: Replication factor of the change topics.
+        include_schema: Embed the JSON schema in each event (bigger messages).
+        extra: Further connector options, applied last (expert use).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    tables: list[TableSettings] = Field(min_length=1)
+    topic_prefix: str | None = None
+    slot_name: str | None = None
+    publication: str | None = None
+    snapshot_mode: SnapshotMode = "initial"
+    heartbeat_interval_ms: int = Field(default=10_000, ge=100)
+    poll_interval_ms: int = Field(default=50, ge=1, le=10_000)
+    partitions: int = Field(default=1, ge=1)
+    replication_factor: int = Field(default=1, ge=1)
+    include_schema: bool = False
+    extra: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.match(r"^[a-z][a-z0-9_]{0,40}$", value):
+            raise ValueError(
+                f"source name {value!r} must be lowercase letters, digits and underscores, "
+                "starting with a letter"
+            )
+        return value
+
+    @field_validator("slot_name")
+    @classmethod
+    def _slot(cls, value: str | None) -> str | None:
+        if value is not None and not _SLOT.match(value):
+            raise ValueError(
+                f"slot_name {value!r} must be 1-63 lowercase letters, digits or underscores"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _unique_tables(self) -> SourceSettings:
+        names = [table.name for table in self.tables]
+        dupes = sorted({name for name in names if names.count(name) > 1})
+        if dupes:
+            raise ValueError(f"source {self.name}: table(s) {', '.join(dupes)} declared twice")
+        return self
+
+    @property
+    def connector_name(self) -> str:
+        return f"edgefeed-{self.name}"
+
+    @property
+    def effective_topic_prefix(self) -> str:
+        return self.topic_prefix or f"edgefeed.{self.name}"
+
+    @property
+    def effective_slot_name(self) -> str:
+        return self.slot_name or f"edgefeed_{self.name}"
+
+    @property
+    def effective_publication(self) -> str:
+        return self.publication or f"edgefeed_{self.name}"
+
+    def topic_for(self, table: str) -> str:
+        """The change topic of ``table`` (``schema.table`` or ``table``)."""
+        qualified = table if "." in table else f"public.{table}"
+        return f"{self.effective_topic_prefix}.{qualified}"
+
+    def table(self, name: str) -> TableSettings:
+        qualified = name if "." in name else f"public.{name}"
+        for table in self.tables:
+            if table.name == qualified:
+                return table
+        raise KeyError(qualified)
