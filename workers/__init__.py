@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from workers.batcher import BatchingConfig, DynamicBatcher
     from workers.client import InferenceAnswer, WorkerClient
-    from workers.features import EdgeCacheFeatureSource, FeatureSource, RedisFeatureSource
+    from workers.features import EdgeCacheFeatureSource, FeatureSource
     from workers.models import load_served_model
     from workers.runtime import ModelRunner, RuntimeConfig
     from workers.server import InferenceServer, ServerConfig
@@ -29,7 +29,6 @@ __all__ = [
     "InferenceServer",
     "LatencyBreakdown",
     "ModelRunner",
-    "RedisFeatureSource",
     "RuntimeConfig",
     "ServerConfig",
     "ServerTiming",
@@ -47,7 +46,6 @@ _HOME = {
     "InferenceServer": "workers.server",
     "LatencyBreakdown": "workers.timing",
     "ModelRunner": "workers.runtime",
-    "RedisFeatureSource": "workers.features",
     "RuntimeConfig": "workers.runtime",
     "ServerConfig": "workers.server",
     "ServerTiming": "workers.timing",

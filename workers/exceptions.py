@@ -14,6 +14,7 @@ __all__ = [
     "BadRequestError",
     "DeadlineExceededError",
     "DrainingError",
+    "FeatureLookupError",
     "InvalidTensorError",
     "MissingFeaturesError",
     "ModelExecutionError",
@@ -80,6 +81,19 @@ class MissingFeaturesError(BadRequestError):
     """
 
     http_status = 422
+
+
+class FeatureLookupError(WorkersError):
+    """Reading features from the edge cache failed for a reason that is not the request's.
+
+    Retryable (HTTP 503) when the region and its fallbacks are unavailable; not
+    retryable (HTTP 500) when the cache's schema lacks what the model reads.
+    """
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.http_status = 503 if retryable else 500
 
 
 class OverloadedError(WorkersError):

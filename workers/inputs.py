@@ -6,24 +6,23 @@ Accepted bodies (by ``Content-Type``):
     One array in NumPy's ``.npy`` format (no pickles).
 ``application/octet-stream``
     Raw C-order bytes with ``X-Tensor-Shape: 2,64,64,3`` and ``X-Tensor-Dtype: uint8``.
-``application/vnd.edgefeed.envelope`` (also ``...+arrow``)
-    The preprocess stage's envelope, decoded with ``preprocess.decode_envelope``.
-    That package is looked up when the first envelope arrives, so this module
-    works (for the two formats above) before and without it.
+``application/vnd.edgefeed.envelope``
+    The preprocess stage's envelope (``preprocess.encode_envelope``: raw,
+    WebP, Brotli or Arrow payloads with shape, dtype and layout in the header).
 
-This is the seam with :mod:`preprocess`: only :func:`decode_envelope_payload` touches
-its types, through the small :class:`EnvelopeLike` protocol.
+This is the seam with :mod:`preprocess`: only :func:`decode_envelope_payload`
+touches its types.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from collections.abc import Mapping
 
 import numpy as np
 
+from preprocess import CONTENT_TYPE_IMAGE, decode_envelope
+from preprocess.exceptions import DecompressionBombError, InputTooLargeError, PreprocessError
 from workers.exceptions import (
     InvalidTensorError,
     PayloadTooLargeError,
@@ -31,10 +30,10 @@ from workers.exceptions import (
 )
 
 __all__ = [
+    "ENVELOPE_TYPE",
     "ENVELOPE_TYPES",
     "NPY_TYPE",
     "RAW_TYPE",
-    "EnvelopeLike",
     "decode_array",
     "decode_envelope_payload",
     "encode_npy",
@@ -42,26 +41,12 @@ __all__ = [
 
 NPY_TYPE = "application/x-npy"
 RAW_TYPE = "application/octet-stream"
-ENVELOPE_TYPES = ("application/vnd.edgefeed.envelope", "application/vnd.edgefeed.envelope+arrow")
+ENVELOPE_TYPE = "application/vnd.edgefeed.envelope"
+ENVELOPE_TYPES = (ENVELOPE_TYPE,)
 SHAPE_HEADER = "X-Tensor-Shape"
 DTYPE_HEADER = "X-Tensor-Dtype"
 
 _ALLOWED_DTYPES = {"uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
-
-
-class EnvelopeLike(Protocol):
-    """What the workers read from a preprocess envelope."""
-
-    @property
-    def content_type(self) -> str: ...
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def dtype(self) -> str: ...
-
-    def to_numpy(self) -> np.ndarray: ...
 
 
 def encode_npy(array: np.ndarray) -> bytes:
@@ -157,34 +142,24 @@ def _decode_raw(body: bytes, headers: Mapping[str, str]) -> np.ndarray:
     return np.frombuffer(body, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def _envelope_decoder() -> Callable[..., EnvelopeLike]:
-    try:
-        module = importlib.import_module("preprocess")
-    except ImportError:
-        module = None
-    decoder = getattr(module, "decode_envelope", None)
-    if decoder is None:
-        raise UnsupportedMediaTypeError(
-            "preprocess envelopes need the preprocess package's decode_envelope, which "
-            "this installation lacks; send application/x-npy instead"
-        )
-    return cast(Callable[..., EnvelopeLike], decoder)
-
-
 def decode_envelope_payload(body: bytes, *, max_bytes: int | None = None) -> np.ndarray:
-    """Decode a preprocess envelope and return its pixels/tensor as an array.
+    """Decode a preprocess envelope and return its array.
+
+    Image envelopes (``image/x-tensor``) in ``CHW`` layout are returned as
+    ``HWC``, the layout the workers' image models take.
 
     Raises:
-        UnsupportedMediaTypeError: the preprocess package is not installed.
-        InvalidTensorError: the envelope is malformed (the preprocess error's
-            message is kept).
+        PayloadTooLargeError: the envelope, or what it decodes to, is over a limit.
+        InvalidTensorError: the envelope is malformed or holds no array (the
+            preprocess error's message is kept).
     """
-    decode = _envelope_decoder()
     try:
-        envelope = decode(body, max_bytes=max_bytes)
-        array: Any = envelope.to_numpy()
-    except ValueError as exc:  # preprocess's bad-input errors subclass ValueError
-        if "too large" in str(exc).lower() or type(exc).__name__.endswith("TooLargeError"):
-            raise PayloadTooLargeError(f"envelope rejected: {exc}") from None
+        envelope = decode_envelope(body, max_bytes=max_bytes)
+        array = envelope.to_numpy()
+    except (InputTooLargeError, DecompressionBombError) as exc:
+        raise PayloadTooLargeError(f"envelope rejected: {exc}") from None
+    except PreprocessError as exc:
         raise InvalidTensorError(f"envelope rejected: {exc}") from None
+    if envelope.content_type == CONTENT_TYPE_IMAGE and envelope.layout == "CHW":
+        array = np.moveaxis(array, -3, -1)
     return np.asarray(array)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -14,7 +16,7 @@ from edgefeed.cli._common import console, err_console, fail, run_reported, setti
 
 if TYPE_CHECKING:
     from workers.features import FeatureSource
-    from workers.models import ServedModel
+    from workers.models import RankerConfig, ServedModel
     from workers.server import InferenceServer
 
 __all__ = ["register"]
@@ -37,15 +39,27 @@ RegionOpt = Annotated[
 ]
 
 
-def _redis_url(ctx: typer.Context, region: str) -> str:
-    settings = settings_of(ctx)
-    return run_reported(lambda: settings.region(region)).redis_url
+def _feature_factory(ctx: typer.Context, region: str) -> Callable[[RankerConfig], FeatureSource]:
+    """Builds the ranker's feature source: the edge cache lookup client of ``region``.
 
+    The client knows the pipeline's entity schemas (from the settings file) plus
+    the model's own entities when the pipeline does not declare them (the demo's).
+    """
 
-def _feature_source(ctx: typer.Context, region: str) -> FeatureSource:
-    from workers.features import RedisFeatureSource
+    def build(config: RankerConfig) -> FeatureSource:
+        from edge_cache import AsyncFeatureClient
+        from edgefeed.lookup import feature_schemas
+        from workers.features import EdgeCacheFeatureSource
 
-    return RedisFeatureSource.from_url(_redis_url(ctx, region))
+        settings = settings_of(ctx)
+        run_reported(lambda: settings.region(region))
+        schemas = feature_schemas(settings)
+        declared = {schema.entity for schema in schemas}
+        schemas += [schema for schema in config.schemas() if schema.entity not in declared]
+        client = run_reported(lambda: AsyncFeatureClient.from_settings(settings, region, schemas))
+        return EdgeCacheFeatureSource(client)
+
+    return build
 
 
 def _load_model(
@@ -62,7 +76,7 @@ def _load_model(
     from workers.models import load_served_model
 
     shape = tuple(int(part) for part in input_shape.split(",")) if input_shape else ()
-    features = _feature_source(ctx, region) if name == "ranker" and model_file is None else None
+    features = _feature_factory(ctx, region) if name == "ranker" and model_file is None else None
     return run_reported(
         lambda: load_served_model(
             name,
@@ -294,42 +308,50 @@ def bench(
 
 @workers_app.command("seed-demo")
 def seed_demo(ctx: typer.Context, region: RegionOpt) -> None:
-    """Write the demo users' and items' features into the region's edge cache."""
-    import redis.asyncio as aioredis
+    """Write the demo ranker's users and items into the region's edge cache (edge_cache writer)."""
     from redis.exceptions import RedisError
 
-    from workers.features import write_features
+    from edge_cache import AsyncFeatureWriter, EdgeCacheError, Position, Upsert
     from workers.models import RankerConfig
     from workers.synthetic import click_world
 
-    url = _redis_url(ctx, region)
+    settings = settings_of(ctx)
+    region_settings = run_reported(lambda: settings.region(region))
     world, config = click_world(), RankerConfig()
 
     async def write() -> None:
-        client = aioredis.Redis.from_url(url)
+        writer = AsyncFeatureWriter.from_region(region_settings, config.schemas())
         try:
-            await write_features(
-                client,
-                config.user_entity,
-                config.user_features,
-                dict(zip(world.user_ids, world.user_features, strict=True)),
-            )
-            await write_features(
-                client,
-                config.item_entity,
-                config.item_features,
-                dict(zip(world.item_ids, world.item_features, strict=True)),
-            )
+            await writer.publish_schemas()
+            now = time.time()
+            ops = [
+                Upsert(
+                    entity,
+                    entity_id,
+                    dict(zip(names, map(float, vector), strict=True)),
+                    Position(1),
+                    now,
+                )
+                for entity, names, ids, vectors in (
+                    (config.user_entity, config.user_features, world.user_ids, world.user_features),
+                    (config.item_entity, config.item_features, world.item_ids, world.item_features),
+                )
+                for entity_id, vector in zip(ids, vectors, strict=True)
+            ]
+            await writer.write(ops)
         finally:
-            await client.aclose()
+            await writer.client.aclose()
 
     try:
         asyncio.run(write())
-    except RedisError as exc:
+    except EdgeCacheError as exc:
+        fail(exc)
+    except (OSError, RedisError) as exc:
         err_console.print(f"[bold red]error:[/] region {region!r} edge cache unreachable: {exc}")
         raise typer.Exit(1) from None
     console.print(
-        f"wrote {len(world.user_ids)} users and {len(world.item_ids)} items to region {region!r}"
+        f"wrote {len(world.user_ids)} {config.user_entity} and {len(world.item_ids)} "
+        f"{config.item_entity} vectors to region {region!r}"
     )
 
 

@@ -12,7 +12,7 @@ Three file kinds, none fetched from the network:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -164,7 +164,7 @@ def load_served_model(
     name: str,
     *,
     weights: str | Path | None = None,
-    features: FeatureSource | None = None,
+    features: FeatureSource | Callable[[RankerConfig], FeatureSource] | None = None,
     model_file: str | Path | None = None,
     kind: ModelKind = "tensor",
     input_shape: Sequence[int] = (),
@@ -177,7 +177,8 @@ def load_served_model(
         name: A built-in model (``image-classifier``, ``ranker``) or, with
             ``model_file``, any name.
         weights: Checkpoint or bare state_dict replacing the shipped demo weights.
-        features: Feature source (required by the ranker).
+        features: Feature source of the ranker, or a factory called with the
+            ranker's config (so the source can be built for its entities).
         model_file: A user's TorchScript / torch.export module.
         kind: For ``model_file``: ``classifier`` (uint8 NHWC in, logits out) or
             ``tensor`` (raw tensor in and out).
@@ -229,4 +230,5 @@ def load_served_model(
             f"model {name!r} reads features from the edge cache; give it a feature source "
             "(edgefeed workers serve --region R)"
         )
-    return Ranker(name, module, config, features, version=version)
+    source = features if isinstance(features, FeatureSource) else features(config)
+    return Ranker(name, module, config, source, version=version)

@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
+from edge_cache import FeatureSchema
 from workers.exceptions import InvalidTensorError, MissingFeaturesError, UnsupportedMediaTypeError
 from workers.features import FeatureSource
 from workers.models.base import Prepared, ServedModel
@@ -33,18 +34,26 @@ class RankerConfig:
     Attributes:
         user_features: Names of the user features, in input order.
         item_features: Names of the item features, in input order.
-        user_entity: Entity name of users in the edge cache.
-        item_entity: Entity name of items in the edge cache.
+        user_entity: Entity type of users in the edge cache (the demo uses its own
+            entity types so it never clashes with the pipeline's ``user``).
+        item_entity: Entity type of items in the edge cache.
         tower: Width of the user and item towers.
         hidden: Widths of the scoring MLP over (user, item, user*item).
     """
 
     user_features: tuple[str, ...] = tuple(f"u{i}" for i in range(16))
     item_features: tuple[str, ...] = tuple(f"i{i}" for i in range(16))
-    user_entity: str = "user"
-    item_entity: str = "item"
+    user_entity: str = "demo_user"
+    item_entity: str = "demo_item"
     tower: int = 32
     hidden: tuple[int, ...] = (64,)
+
+    def schemas(self) -> list[FeatureSchema]:
+        """Edge cache schemas holding exactly these features (all float32; users personal)."""
+        return [
+            FeatureSchema.of(self.user_entity, self.user_features, personal=True),
+            FeatureSchema.of(self.item_entity, self.item_features),
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (loads with ``weights_only=True``)."""

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-import types
-from dataclasses import dataclass
-
 import aiohttp
 import numpy as np
 import pytest
 
-from workers.exceptions import InvalidTensorError, UnsupportedMediaTypeError
-from workers.inputs import NPY_TYPE, decode_array, encode_npy
+from preprocess import CONTENT_TYPE_IMAGE, encode_envelope
+from workers.exceptions import PayloadTooLargeError
+from workers.inputs import ENVELOPE_TYPE, NPY_TYPE, decode_array, encode_npy
 from workers.models import load_served_model
 from workers.server import InferenceServer, ServerConfig
 from workers.synthetic import shape_images
@@ -153,39 +150,47 @@ async def test_raw_tensor_format_equals_npy(classifier_url: str) -> None:
     assert via_raw["predictions"] == via_npy["predictions"]
 
 
-def test_envelope_without_the_preprocess_decoder_is_a_415(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "preprocess", types.ModuleType("preprocess"))
-    with pytest.raises(UnsupportedMediaTypeError, match="decode_envelope"):
-        decode_array(b"...", "application/vnd.edgefeed.envelope")
-
-
-@dataclass(frozen=True)
-class _Envelope:
-    content_type: str
-    shape: tuple[int, ...]
-    dtype: str
-    pixels: np.ndarray
-
-    def to_numpy(self) -> np.ndarray:
-        return self.pixels
-
-
-def test_envelope_is_decoded_through_preprocess_decode_envelope(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("encoding", "layout"), [("raw", "HWC"), ("webp-lossless", "HWC"), ("arrow", "CHW")]
+)
+async def test_preprocess_envelope_is_served_like_npy(
+    classifier_url: str, encoding: str, layout: str
 ) -> None:
-    calls: list[int | None] = []
+    pixels = IMAGE if layout == "HWC" else np.ascontiguousarray(IMAGE.transpose(2, 0, 1))
+    envelope = encode_envelope(
+        pixels, content_type=CONTENT_TYPE_IMAGE, encoding=encoding, layout=layout, profile="demo-32"
+    )  # type: ignore[arg-type]
+    _, via_npy = await _post(classifier_url, encode_npy(IMAGE), {"Content-Type": NPY_TYPE})
+    code, via_envelope = await _post(classifier_url, envelope, {"Content-Type": ENVELOPE_TYPE})
+    assert code == 200, via_envelope
+    assert via_envelope["predictions"] == via_npy["predictions"]
 
-    def decode_envelope(data: bytes, *, max_bytes: int | None = None) -> _Envelope:
-        calls.append(max_bytes)
-        if data == b"bad":
-            raise ValueError("envelope version 9 is not supported")
-        return _Envelope("image/raw", IMAGE.shape, "uint8", IMAGE)
 
-    fake = types.ModuleType("preprocess")
-    fake.decode_envelope = decode_envelope  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "preprocess", fake)
-    array = decode_array(b"ok", "application/vnd.edgefeed.envelope", max_bytes=1000)
-    np.testing.assert_array_equal(array, IMAGE)
-    assert calls == [1000]
-    with pytest.raises(InvalidTensorError, match="envelope version 9 is not supported"):
-        decode_array(b"bad", "application/vnd.edgefeed.envelope")
+async def test_bad_envelopes_are_4xx_naming_the_problem(classifier_url: str) -> None:
+    good = encode_envelope(IMAGE, content_type=CONTENT_TYPE_IMAGE, encoding="raw", layout="HWC")
+    floats = encode_envelope(
+        IMAGE.astype(np.float32) / 255,
+        content_type=CONTENT_TYPE_IMAGE,
+        encoding="raw",
+        layout="HWC",
+    )
+    cases = [
+        (good[:-10], 400, "truncated or padded in transit"),
+        (b"NOPE" + good[4:], 400, "not an edgefeed envelope"),
+        (floats, 400, "takes dtype uint8, got float32"),
+        (
+            encode_envelope(b"{}", content_type="application/json", encoding="raw"),
+            400,
+            "holds no array",
+        ),
+    ]
+    for body, status, message in cases:
+        code, answer = await _post(classifier_url, body, {"Content-Type": ENVELOPE_TYPE})
+        assert code == status, answer
+        assert message in answer["error"]["message"]
+
+
+def test_envelope_over_the_size_limit_is_a_payload_too_large() -> None:
+    envelope = encode_envelope(IMAGE, content_type=CONTENT_TYPE_IMAGE, encoding="raw")
+    with pytest.raises(PayloadTooLargeError, match="over the limit of 100 bytes"):
+        decode_array(envelope, ENVELOPE_TYPE, max_bytes=100)

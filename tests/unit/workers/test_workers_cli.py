@@ -10,15 +10,26 @@ import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
-
 from workers_cli_shim import app  # type: ignore[import-not-found]
 
 SHIM = Path(__file__).with_name("workers_cli_shim.py")
 
 
 def test_bench_json_reports_the_four_terms_and_the_total() -> None:
-    result = CliRunner().invoke(app, ["workers", "bench", "--model", "image-classifier",
-                                      "--requests", "24", "--concurrency", "4", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "workers",
+            "bench",
+            "--model",
+            "image-classifier",
+            "--requests",
+            "24",
+            "--concurrency",
+            "4",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert summary["requests"] == 24
@@ -27,17 +38,32 @@ def test_bench_json_reports_the_four_terms_and_the_total() -> None:
 
 
 def test_bench_table_for_people() -> None:
-    result = CliRunner().invoke(app, ["workers", "bench", "--requests", "8", "--concurrency",
-                                      "2"], env={"COLUMNS": "120"})
+    result = CliRunner().invoke(
+        app, ["workers", "bench", "--requests", "8", "--concurrency", "2"], env={"COLUMNS": "120"}
+    )
     assert result.exit_code == 0, result.output
     for term in ("T_network", "T_data", "T_model", "T_service", "T_total", "p50 ms", "p99 ms"):
         assert term in result.output
 
 
 def test_serve_with_an_impossible_precision_exits_2_with_the_fix() -> None:
-    result = CliRunner().invoke(app, ["workers", "serve", "--model", "image-classifier",
-                                      "--region", "eu-west", "--device", "cpu",
-                                      "--precision", "fp16", "--port", "0"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "workers",
+            "serve",
+            "--model",
+            "image-classifier",
+            "--region",
+            "eu-west",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp16",
+            "--port",
+            "0",
+        ],
+    )
     assert result.exit_code == 2
     assert "'fp16' needs a CUDA device; on the CPU use fp32 or int8" in result.output
 
@@ -50,9 +76,23 @@ def test_serve_unknown_model_exits_2() -> None:
 
 def test_serve_drains_and_exits_0_on_sigterm() -> None:
     process = subprocess.Popen(
-        [sys.executable, str(SHIM), "workers", "serve", "--model", "image-classifier",
-         "--region", "eu-west", "--port", "0", "--device", "cpu"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "300"},
+        [
+            sys.executable,
+            str(SHIM),
+            "workers",
+            "serve",
+            "--model",
+            "image-classifier",
+            "--region",
+            "eu-west",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "300"},
     )
     try:
         assert process.stderr is not None
