@@ -162,17 +162,22 @@ def _spec(args: argparse.Namespace, device: str, precision: str, max_batch: int)
 
 
 def batching(args: argparse.Namespace, device: str, precision: str) -> dict[str, Any]:
-    results = {}
+    """Closed-loop load on batch size 1 and on dynamic batching; then a lone client on each."""
+    results: dict[str, Any] = {}
+    unloaded: dict[str, Any] = {}
     for name, max_batch in (("batch-1", 1), ("dynamic", args.max_batch)):
         requests = args.requests if max_batch > 1 else max(args.concurrency * 4, args.requests // 4)
         with WorkerProcess(_spec(args, device, precision, max_batch)) as worker:
             result = asyncio.run(_load(worker.url, args.concurrency, requests))
+            # What the batching window costs when there is no load: one client alone.
+            alone = asyncio.run(_load(worker.url, 1, args.unloaded_requests))
         results[name] = result.summary()
+        unloaded[name] = {f"p{q}": round(alone.percentile_ms("total", q), 3) for q in (50, 95)}
         print(
             f"  {name:8s} {result.throughput:8.1f} req/s  p50 "
             f"{result.percentile_ms('total', 50):7.2f} ms  p95 "
             f"{result.percentile_ms('total', 95):7.2f} ms  mean batch "
-            f"{results[name]['mean_batch_rows']}",
+            f"{results[name]['mean_batch_rows']}  | alone: p50 {unloaded[name]['p50']:.2f} ms",
             flush=True,
         )
     base, dyn = results["batch-1"], results["dynamic"]
@@ -180,25 +185,11 @@ def batching(args: argparse.Namespace, device: str, precision: str) -> dict[str,
     ratio_p95 = dyn["latency_ms"]["total"]["p95"] / base["latency_ms"]["total"]["p95"]
     return {
         "runs": results,
+        "unloaded": unloaded,
         "throughput_ratio": round(ratio_tp, 2),
         "p95_ratio": round(ratio_p95, 3),
         "target_met": ratio_tp >= 3.5 and ratio_p95 <= 1.2,
     }
-
-
-def unloaded(args: argparse.Namespace, device: str, precision: str) -> dict[str, Any]:
-    """Latency of a lone client: what the batching window costs when there is no load."""
-    results = {}
-    for name, max_batch in (("batch-1", 1), ("dynamic", args.max_batch)):
-        with WorkerProcess(_spec(args, device, precision, max_batch)) as worker:
-            result = asyncio.run(_load(worker.url, 1, args.unloaded_requests))
-        results[name] = {f"p{q}": round(result.percentile_ms("total", q), 3) for q in (50, 95)}
-        print(
-            f"  {name:8s} concurrency 1: p50 {results[name]['p50']:.2f} ms, "
-            f"p95 {results[name]['p95']:.2f} ms",
-            flush=True,
-        )
-    return results
 
 
 # -- part 2: reduced precision against fp32 ---------------------------------
@@ -333,6 +324,7 @@ def main() -> None:
     parser.add_argument("--unloaded-requests", type=int, default=100)
     parser.add_argument("--held-out", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args()
     if args.child:
@@ -357,7 +349,9 @@ def main() -> None:
         },
         "device": device,
         "precision": precision,
-        "parameters": vars(args) | {"child": None},
+        "parameters": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "child"
+        },
     }
     print(
         f"1. dynamic batching vs batch size 1 ({device}, {precision}, concurrency "
@@ -365,7 +359,6 @@ def main() -> None:
         flush=True,
     )
     report["batching"] = batching(args, device, precision)
-    report["batching"]["unloaded"] = unloaded(args, device, precision)
     verdict = report["batching"]
     print(
         f"  throughput x{verdict['throughput_ratio']}, p95 x{verdict['p95_ratio']} -> "
@@ -375,10 +368,9 @@ def main() -> None:
     print(f"2. {'fp16' if device.startswith('cuda') else 'int8'} vs fp32:", flush=True)
     report["precision"] = precision_comparison(args, device)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
-    RESULTS.mkdir(exist_ok=True)
-    path = (
-        RESULTS / f"workers-{time.strftime('%Y%m%dT%H%M%S')}{'-smoke' if args.smoke else ''}.json"
-    )
+    stamp = time.strftime("%Y%m%dT%H%M%S") + ("-smoke" if args.smoke else "")
+    path = args.out or RESULTS / f"workers-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"done in {report['elapsed_s']} s; full report: {path}")
     if args.strict and not args.smoke and not verdict["target_met"]:

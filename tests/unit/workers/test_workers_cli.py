@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
-from workers_cli_shim import app  # type: ignore[import-not-found]
 
-SHIM = Path(__file__).with_name("workers_cli_shim.py")
+from edgefeed.cli import app
+
+EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 
 
 def test_bench_json_reports_the_four_terms_and_the_total() -> None:
@@ -77,8 +78,7 @@ def test_serve_unknown_model_exits_2() -> None:
 def test_serve_drains_and_exits_0_on_sigterm() -> None:
     process = subprocess.Popen(
         [
-            sys.executable,
-            str(SHIM),
+            EDGEFEED,
             "workers",
             "serve",
             "--model",
