@@ -293,7 +293,13 @@ def bench(
         "items": items,
     }
     if url is not None:
-        summary = run_reported(lambda: asyncio.run(_bench(url, model, **kwargs)))
+        import aiohttp
+
+        try:
+            summary = run_reported(lambda: asyncio.run(_bench(url, model, **kwargs)))
+        except aiohttp.ClientError as exc:
+            err_console.print(f"[bold red]error:[/] worker at {url} unreachable: {exc}")
+            raise typer.Exit(1) from None
     else:
         settings = _worker_settings(port=0, max_batch_size=max_batch_size, precision=precision)
         served = _load_model(ctx, model, region, None, None, "tensor", None, "float32", None)

@@ -111,3 +111,14 @@ def test_serve_drains_and_exits_0_on_sigterm() -> None:
             process.wait()
         if process.stderr is not None:
             process.stderr.close()
+
+
+def test_bench_against_an_unreachable_worker_exits_1() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    result = CliRunner().invoke(app, ["workers", "bench", "--url", url, "--requests", "2"])
+    assert result.exit_code == 1
+    assert "unreachable" in result.output
