@@ -133,6 +133,9 @@ class DynamicBatcher:
         config: Batching parameters.
         estimate: Expected forward seconds for a batch of n rows (for deadlines).
         on_batch: Called on the event loop after each batch with (rows, seconds).
+        executor: The one-thread executor batches run on (default: a new one).
+            Pass the one the model was prepared and warmed up on: CUDA graphs
+            captured by ``torch.compile`` belong to the thread that captured them.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class DynamicBatcher:
         config: BatchingConfig,
         estimate: Estimate | None = None,
         on_batch: Callable[[int, float], None] | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self._execute = execute
         self.config = config
@@ -153,7 +157,9 @@ class DynamicBatcher:
         self._idle.set()
         self._draining = False
         self._running_until: float | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefeed-batch")
+        self._executor = executor or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="edgefeed-batch"
+        )
         self._task: asyncio.Task[None] | None = None
         self.stats = BatcherStats()
 

@@ -29,6 +29,7 @@ import math
 import signal
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,10 +203,16 @@ class InferenceServer:
         )
         for name, slot in self._slots.items():
             model = slot.model
-            runner = await loop.run_in_executor(None, ModelRunner, model.module, runtime)
-            self.warmup_ms[name] = await loop.run_in_executor(
-                None, runner.warm_up, model.example_rows
-            )
+            # One thread per model prepares, warms up and runs it (CUDA graphs are per thread).
+            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"edgefeed-{name}")
+            try:
+                runner = await loop.run_in_executor(thread, ModelRunner, model.module, runtime)
+                self.warmup_ms[name] = await loop.run_in_executor(
+                    thread, runner.warm_up, model.example_rows
+                )
+            except BaseException:
+                thread.shutdown(wait=False, cancel_futures=True)
+                raise
             labels = (self.config.region, name)
 
             def on_batch(rows: int, seconds: float, labels: tuple[str, str] = labels) -> None:
@@ -213,7 +220,9 @@ class InferenceServer:
                 self.metrics.forward_seconds.labels(*labels).observe(seconds)
 
             slot.runner = runner
-            slot.batcher = DynamicBatcher(runner.execute, self.batching, runner.estimate, on_batch)
+            slot.batcher = DynamicBatcher(
+                runner.execute, self.batching, runner.estimate, on_batch, executor=thread
+            )
             slot.batcher.start()
             log.info(
                 "model %s ready on %s (%s); warm-up ms per batch size: %s",
@@ -292,6 +301,12 @@ class InferenceServer:
             return await self._serve(request, slot, start)
         except WorkersError as exc:
             return self._error(exc, name if slot is not None else "(unknown)")
+        except Exception as exc:  # a bug must cost one request, not the worker
+            log.exception("model %s: unexpected error", name)
+            return self._error(
+                WorkersError(f"internal error: {type(exc).__name__}: {exc}"),
+                name if slot is not None else "(unknown)",
+            )
 
     def _budget(self, request: web.Request) -> float | None:
         raw = request.headers.get(HEADER_DEADLINE_MS)

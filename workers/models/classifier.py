@@ -117,12 +117,13 @@ class TensorModel(ServedModel):
         self.row_shape = tuple(int(dim) for dim in row_shape)
         self.dtype = np.dtype(dtype)
         self.version = version
+        self._dtype_hint = ""
 
     def _rows_of(self, array: np.ndarray, max_rows: int) -> np.ndarray:
         if array.dtype != self.dtype:
             raise InvalidTensorError(
                 f"model {self.name!r} takes dtype {self.dtype.name}, got {array.dtype.name}; "
-                f"send {self.dtype.name} (pixels stay uint8: normalization runs on the device)"
+                f"send {self.dtype.name}{self._dtype_hint}"
             )
         if array.shape == self.row_shape:
             array = array[np.newaxis]
@@ -188,6 +189,9 @@ class ImageClassifier(TensorModel):
         super().__init__(name, module, (image_size, image_size, 3), "uint8", version)
         self.labels = list(labels)
         self.top_k = top_k
+        self._dtype_hint = (
+            " pixels (use a uint8 preprocess profile: normalization runs on the device)"
+        )
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
         shifted = output - output.max(axis=1, keepdims=True)

@@ -140,3 +140,23 @@ def test_batching_config_rejects_impossible_values() -> None:
         BatchingConfig(max_batch_size=32, preferred_batch_sizes=(64,))
     with pytest.raises(WorkerConfigError, match="max_batch_size 0"):
         BatchingConfig(max_batch_size=0)
+
+
+class _BrokenRender(TensorModel):
+    def render(self, prepared, output):  # type: ignore[no-untyped-def]
+        if float(output[0][0]) == 0.0:
+            raise KeyError("label table out of date")
+        return super().render(prepared, output)
+
+
+async def test_a_bug_answering_one_request_is_a_500_and_the_worker_keeps_serving(
+    gated: GatedDouble,
+) -> None:
+    model = _BrokenRender("double", gated, (4,), "float32")
+    async with InferenceServer([model]) as server, WorkerClient(server.url) as client:
+        with pytest.raises(WorkerResponseError) as error:
+            await client.classify("double", np.zeros(4, np.float32))
+        answer = await client.classify("double", np.ones(4, np.float32))
+    assert error.value.status == 500
+    assert "internal error: KeyError" in str(error.value)
+    assert answer.body["outputs"] == [[2.0] * 4]
