@@ -161,18 +161,55 @@ def _spec(args: argparse.Namespace, device: str, precision: str, max_batch: int)
     }
 
 
+def _merge(parts: list[LoadResult]) -> LoadResult:
+    """One result from rounds run at different times (throughput = all requests / all time)."""
+    return LoadResult(
+        concurrency=parts[0].concurrency,
+        elapsed_s=sum(part.elapsed_s for part in parts),
+        latencies=tuple(item for part in parts for item in part.latencies),
+        batch_rows=tuple(rows for part in parts for rows in part.batch_rows),
+        errors={
+            kind: sum(part.errors.get(kind, 0) for part in parts)
+            for kind in {kind for part in parts for kind in part.errors}
+        },
+    )
+
+
 def batching(args: argparse.Namespace, device: str, precision: str) -> dict[str, Any]:
-    """Closed-loop load on batch size 1 and on dynamic batching; then a lone client on each."""
+    """Closed-loop load on batch size 1 and on dynamic batching; then a lone client on each.
+
+    Both workers run side by side (an idle one costs no CPU) and the measured
+    rounds alternate between them, so a neighbour's load on this shared
+    machine falls on both sides of the comparison rather than on one.
+    """
+    modes = {"batch-1": 1, "dynamic": args.max_batch}
+    requests = {
+        "batch-1": max(args.concurrency * 2, args.requests // 4) // args.rounds,
+        "dynamic": args.requests // args.rounds,
+    }
+    parts: dict[str, list[LoadResult]] = {name: [] for name in modes}
+    alone: dict[str, LoadResult] = {}
+    workers = {
+        name: WorkerProcess(_spec(args, device, precision, size)) for name, size in modes.items()
+    }
+    try:
+        for _ in range(args.rounds):
+            for name, worker in workers.items():
+                parts[name].append(asyncio.run(_load(worker.url, args.concurrency, requests[name])))
+        for name, worker in workers.items():
+            # What the batching window costs when there is no load: one client alone.
+            alone[name] = asyncio.run(_load(worker.url, 1, args.unloaded_requests))
+    finally:
+        for worker in workers.values():
+            worker.close()
     results: dict[str, Any] = {}
     unloaded: dict[str, Any] = {}
-    for name, max_batch in (("batch-1", 1), ("dynamic", args.max_batch)):
-        requests = args.requests if max_batch > 1 else max(args.concurrency * 4, args.requests // 4)
-        with WorkerProcess(_spec(args, device, precision, max_batch)) as worker:
-            result = asyncio.run(_load(worker.url, args.concurrency, requests))
-            # What the batching window costs when there is no load: one client alone.
-            alone = asyncio.run(_load(worker.url, 1, args.unloaded_requests))
+    for name in modes:
+        result = _merge(parts[name])
         results[name] = result.summary()
-        unloaded[name] = {f"p{q}": round(alone.percentile_ms("total", q), 3) for q in (50, 95)}
+        unloaded[name] = {
+            f"p{q}": round(alone[name].percentile_ms("total", q), 3) for q in (50, 95)
+        }
         print(
             f"  {name:8s} {result.throughput:8.1f} req/s  p50 "
             f"{result.percentile_ms('total', 50):7.2f} ms  p95 "
@@ -186,6 +223,7 @@ def batching(args: argparse.Namespace, device: str, precision: str) -> dict[str,
     return {
         "runs": results,
         "unloaded": unloaded,
+        "rounds": args.rounds,
         "throughput_ratio": round(ratio_tp, 2),
         "p95_ratio": round(ratio_p95, 3),
         "target_met": ratio_tp >= 3.5 and ratio_p95 <= 1.2,
@@ -321,6 +359,9 @@ def main() -> None:
         default=1,
         help="torch threads in the worker; on 2 cores the load generator needs the other one",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="alternating measured rounds per mode"
+    )
     parser.add_argument("--unloaded-requests", type=int, default=100)
     parser.add_argument("--held-out", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=30)
@@ -332,7 +373,7 @@ def main() -> None:
         return
     if args.smoke:
         args.hidden, args.concurrency, args.requests, args.max_batch = [64], 8, 64, 8
-        args.unloaded_requests, args.held_out, args.repeats = 10, 200, 3
+        args.unloaded_requests, args.held_out, args.repeats, args.rounds = 10, 200, 3, 1
     if args.device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
