@@ -189,10 +189,10 @@ def batching(args: argparse.Namespace, device: str, precision: str) -> dict[str,
     }
     parts: dict[str, list[LoadResult]] = {name: [] for name in modes}
     alone: dict[str, LoadResult] = {}
-    workers = {
-        name: WorkerProcess(_spec(args, device, precision, size)) for name, size in modes.items()
-    }
+    workers: dict[str, WorkerProcess] = {}
     try:
+        for name, size in modes.items():
+            workers[name] = WorkerProcess(_spec(args, device, precision, size))
         for _ in range(args.rounds):
             for name, worker in workers.items():
                 parts[name].append(asyncio.run(_load(worker.url, args.concurrency, requests[name])))
