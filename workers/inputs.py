@@ -1,0 +1,165 @@
+"""Request payloads -> numpy arrays: the one place that knows the wire formats.
+
+Accepted bodies (by ``Content-Type``):
+
+``application/x-npy``
+    One array in NumPy's ``.npy`` format (no pickles).
+``application/octet-stream``
+    Raw C-order bytes with ``X-Tensor-Shape: 2,64,64,3`` and ``X-Tensor-Dtype: uint8``.
+``application/vnd.edgefeed.envelope``
+    The preprocess stage's envelope (``preprocess.encode_envelope``: raw,
+    WebP, Brotli or Arrow payloads with shape, dtype and layout in the header).
+
+This is the seam with :mod:`preprocess`: only :func:`decode_envelope_payload`
+touches its types.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+import numpy as np
+
+from preprocess import CONTENT_TYPE_IMAGE, decode_envelope
+from preprocess.exceptions import DecompressionBombError, InputTooLargeError, PreprocessError
+from workers.exceptions import (
+    InvalidTensorError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
+
+__all__ = [
+    "ENVELOPE_TYPE",
+    "ENVELOPE_TYPES",
+    "NPY_TYPE",
+    "RAW_TYPE",
+    "decode_array",
+    "decode_envelope_payload",
+    "encode_npy",
+]
+
+NPY_TYPE = "application/x-npy"
+RAW_TYPE = "application/octet-stream"
+ENVELOPE_TYPE = "application/vnd.edgefeed.envelope"
+ENVELOPE_TYPES = (ENVELOPE_TYPE,)
+SHAPE_HEADER = "X-Tensor-Shape"
+DTYPE_HEADER = "X-Tensor-Dtype"
+
+_ALLOWED_DTYPES = {"uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
+
+
+def encode_npy(array: np.ndarray) -> bytes:
+    """Serialize ``array`` as ``.npy`` bytes (what :data:`NPY_TYPE` bodies hold)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def decode_array(
+    body: bytes,
+    content_type: str | None,
+    headers: Mapping[str, str] | None = None,
+    *,
+    max_bytes: int | None = None,
+) -> np.ndarray:
+    """Decode a request body into one array.
+
+    Raises:
+        PayloadTooLargeError: ``body`` is over ``max_bytes``.
+        UnsupportedMediaTypeError: unknown ``content_type``.
+        InvalidTensorError: the body does not hold what its headers say.
+    """
+    if max_bytes is not None and len(body) > max_bytes:
+        raise PayloadTooLargeError(
+            f"payload of {len(body)} bytes is over the limit of {max_bytes} bytes; "
+            "preprocess (resize) at the edge or raise max_payload_bytes"
+        )
+    media = _media_type(content_type)
+    if media == NPY_TYPE:
+        return _decode_npy(body)
+    if media == RAW_TYPE:
+        return _decode_raw(body, headers or {})
+    if media in ENVELOPE_TYPES:
+        return decode_envelope_payload(body, max_bytes=max_bytes)
+    accepted = ", ".join((NPY_TYPE, RAW_TYPE, *ENVELOPE_TYPES))
+    raise UnsupportedMediaTypeError(
+        f"Content-Type {content_type or '(none)'!r} is not accepted; send one of: {accepted}"
+    )
+
+
+def _decode_npy(body: bytes) -> np.ndarray:
+    if not body.startswith(b"\x93NUMPY"):
+        raise InvalidTensorError(
+            f"body ({len(body)} bytes) is not .npy: it lacks the \\x93NUMPY magic; write it "
+            "with numpy.save(..., allow_pickle=False) or send application/octet-stream"
+        )
+    try:
+        array = np.load(io.BytesIO(body), allow_pickle=False)
+    except ValueError as exc:
+        raise InvalidTensorError(
+            f"body is not a valid .npy array without pickles ({exc}); "
+            "write it with numpy.save(..., allow_pickle=False)"
+        ) from None
+    except (OSError, EOFError) as exc:
+        raise InvalidTensorError(f"body is not a valid .npy array: {exc}") from None
+    if not isinstance(array, np.ndarray):
+        raise InvalidTensorError("body holds an .npz archive; send one array as .npy")
+    return array
+
+
+def _decode_raw(body: bytes, headers: Mapping[str, str]) -> np.ndarray:
+    lowered = {key.lower(): value for key, value in headers.items()}
+    shape_text = lowered.get(SHAPE_HEADER.lower())
+    dtype_text = lowered.get(DTYPE_HEADER.lower(), "").strip().lower()
+    if shape_text is None or not dtype_text:
+        raise InvalidTensorError(
+            f"{RAW_TYPE} bodies need headers {SHAPE_HEADER} (e.g. 1,64,64,3) and "
+            f"{DTYPE_HEADER} (e.g. uint8)"
+        )
+    try:
+        shape = tuple(int(part) for part in shape_text.split(",") if part.strip())
+    except ValueError:
+        raise InvalidTensorError(
+            f"{SHAPE_HEADER} {shape_text!r} must be comma-separated integers such as 1,64,64,3"
+        ) from None
+    if not shape or any(dim < 0 for dim in shape):
+        raise InvalidTensorError(f"{SHAPE_HEADER} {shape_text!r} must list non-negative sizes")
+    if dtype_text not in _ALLOWED_DTYPES:
+        raise InvalidTensorError(
+            f"{DTYPE_HEADER} {dtype_text!r} is not one of: {', '.join(sorted(_ALLOWED_DTYPES))}"
+        )
+    dtype = np.dtype(dtype_text).newbyteorder("<")
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(body) != expected:
+        raise InvalidTensorError(
+            f"body has {len(body)} bytes but shape {shape} of {dtype_text} needs {expected}"
+        )
+    return np.frombuffer(body, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def decode_envelope_payload(body: bytes, *, max_bytes: int | None = None) -> np.ndarray:
+    """Decode a preprocess envelope and return its array.
+
+    Image envelopes (``image/x-tensor``) in ``CHW`` layout are returned as
+    ``HWC``, the layout the workers' image models take.
+
+    Raises:
+        PayloadTooLargeError: the envelope, or what it decodes to, is over a limit.
+        InvalidTensorError: the envelope is malformed or holds no array (the
+            preprocess error's message is kept).
+    """
+    try:
+        envelope = decode_envelope(body, max_bytes=max_bytes)
+        array = envelope.to_numpy()
+    except (InputTooLargeError, DecompressionBombError) as exc:
+        raise PayloadTooLargeError(f"envelope rejected: {exc}") from None
+    except PreprocessError as exc:
+        raise InvalidTensorError(f"envelope rejected: {exc}") from None
+    if envelope.content_type == CONTENT_TYPE_IMAGE and envelope.layout == "CHW":
+        array = np.moveaxis(array, -3, -1)
+    return np.asarray(array)

@@ -1,0 +1,68 @@
+"""Settings of a model worker (environment prefix ``EDGEFEED_WORKERS_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from workers.batcher import BatchingConfig
+from workers.runtime import CompileMode, RuntimeConfig
+from workers.server import ServerConfig
+
+__all__ = ["WorkerSettings"]
+
+
+class WorkerSettings(BaseSettings):
+    """Everything tunable about one worker process.
+
+    Attributes mirror :class:`BatchingConfig`, :class:`RuntimeConfig` and
+    :class:`ServerConfig`, in milliseconds where people think in them.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="EDGEFEED_WORKERS_", extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    device: str = "auto"
+    precision: str = "auto"
+    compile: CompileMode = "auto"
+    cpu_threads: int | None = Field(default=None, ge=1)
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_ms: float = Field(default=2.0, ge=0)
+    max_queue_size: int = Field(default=256, ge=1)
+    default_deadline_ms: float | None = Field(default=None, gt=0)
+    max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+    def batching(self) -> BatchingConfig:
+        """The batcher's view."""
+        return BatchingConfig(
+            max_batch_size=self.max_batch_size,
+            preferred_batch_sizes=tuple(self.preferred_batch_sizes),
+            max_queue_delay_s=self.max_queue_delay_ms / 1e3,
+            max_queue_size=self.max_queue_size,
+            default_deadline_s=(
+                self.default_deadline_ms / 1e3 if self.default_deadline_ms is not None else None
+            ),
+        )
+
+    def runtime(self) -> RuntimeConfig:
+        """The runner's view."""
+        return RuntimeConfig(
+            device=self.device,
+            precision=self.precision,
+            compile=self.compile,
+            max_batch_rows=self.max_batch_size,
+            cpu_threads=self.cpu_threads,
+        )
+
+    def server(self, region: str) -> ServerConfig:
+        """The HTTP server's view."""
+        return ServerConfig(
+            host=self.host,
+            port=self.port,
+            region=region,
+            max_payload_bytes=self.max_payload_bytes,
+            drain_timeout_s=self.drain_timeout_s,
+        )
