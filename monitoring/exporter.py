@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -346,15 +346,16 @@ async def serve(
     host: str = "0.0.0.0",
     port: int = 9308,
     interval_s: float = 15.0,
-    ready: threading.Event | None = None,
     stop: asyncio.Event | None = None,
-    bound: list[int] | None = None,
+    on_ready: Callable[[int], None] | None = None,
 ) -> None:
     """Serve ``/metrics`` and refresh the report every ``interval_s`` until ``stop`` is set.
 
     Args:
-        port: TCP port (0: any free one; the chosen port is appended to ``bound``).
-        ready: Set once the first report is in and the endpoint answers.
+        port: TCP port (0: any free one).
+        stop: Set it to stop serving.
+        on_ready: Called with the bound port once the first report is in and
+            the endpoint answers.
 
     Raises:
         MonitoringConfigError: bad interval or port, or the port is taken.
@@ -375,10 +376,8 @@ async def serve(
         raise MonitoringConfigError(
             f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port"
         ) from None
-    if bound is not None:
-        bound.append(int(server.server_address[1]))
-    if ready is not None:
-        ready.set()
+    if on_ready is not None:
+        on_ready(int(server.server_address[1]))
     stop = stop or asyncio.Event()
     try:
         while not stop.is_set():

@@ -260,7 +260,10 @@ class Monitor:
                 seen_keys.append((name, topic_name, partition))
                 window = self.history.window_of(name, topic_name, partition, snap.at)
                 status, reason = evaluate_partition(
-                    window, current_lag=lag, has_members=offsets.members > 0
+                    window,
+                    current_lag=lag,
+                    has_members=offsets.members > 0,
+                    min_span_s=self.config.min_interval_s,
                 )
                 ts = snap.next_timestamp_ms.get((name, topic_name, partition))
                 lag_seconds = 0.0 if lag == 0 else (max(now - ts / 1000, 0.0) if ts else None)

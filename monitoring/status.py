@@ -75,7 +75,11 @@ class Observation:
 
 
 def evaluate_partition(
-    window: Sequence[Observation], *, current_lag: int | None, has_members: bool
+    window: Sequence[Observation],
+    *,
+    current_lag: int | None,
+    has_members: bool,
+    min_span_s: float = 0.0,
 ) -> tuple[PartitionStatus, str]:
     """Burrow's rules (see the module docstring) applied to one partition.
 
@@ -83,6 +87,8 @@ def evaluate_partition(
         window: Observations, oldest first, the newest being the current one.
         current_lag: The lag now; None when the group has no committed offset.
         has_members: Whether the group has a live member.
+        min_span_s: The window must cover at least this long before the
+            movement rules apply.
 
     Returns:
         The status and a one-line reason a person can act on.
@@ -93,8 +99,8 @@ def evaluate_partition(
         return "OK", "caught up"
     if not has_members:
         return "STOP", f"no live consumer in the group and {current_lag} message(s) waiting"
-    if len(window) < 2:
-        return "OK", "window incomplete (one observation)"
+    if len(window) < 2 or window[-1].at - window[0].at < min_span_s:
+        return "OK", "window incomplete"
     if any(o.lag == 0 for o in window):
         return "OK", "caught up within the window"
     pairs = list(itertools.pairwise(window))
