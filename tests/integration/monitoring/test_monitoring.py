@@ -1,0 +1,357 @@
+"""Lag, freshness, slots and connectors measured on the real local stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+import requests
+from conftest import drop_slot, read_topic, unique_name
+from prometheus_client.parser import text_string_to_metric_families
+
+from connectors import deploy
+from connectors.client import ConnectClient
+from connectors.config import render_connector_config
+from connectors.settings import SourceSettings, TableSettings
+from edgefeed.devstack import DevStack
+from monitoring import Monitor, MonitorConfig, RegionTarget, Report, SourceTarget, serve
+
+pytestmark = pytest.mark.integration
+
+
+def config_for(devstack: DevStack, **options: object) -> MonitorConfig:
+    s = devstack.settings
+    defaults: dict[str, object] = {
+        "bootstrap_servers": tuple(s.kafka.bootstrap_servers),
+        "min_interval_s": 0.2,
+        "sample_size": 50,
+    }
+    defaults.update(options)
+    return MonitorConfig(**defaults)  # type: ignore[arg-type]
+
+
+async def until(
+    monitor: Monitor, check: Callable[[Report], bool], what: str, deadline_s: float = 30
+) -> Report:
+    """Collect rounds (0.25 s apart) until ``check`` holds; fail after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        report = await monitor.collect()
+        if check(report):
+            return report
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {deadline_s}s; last: {report.as_dict()}")
+        await asyncio.sleep(0.25)
+
+
+def _edgefeed(settings_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("edgefeed")
+    return subprocess.run(
+        [str(exe), "--settings", str(settings_file), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
+    devstack: DevStack, make_topic: Callable[..., str], stack_settings_file: Path
+) -> None:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    bootstrap = devstack.settings.kafka.bootstrap_servers
+    topic = make_topic("edgefeed.region.t", partitions=1)
+    group = f"edgefeed-region-{unique_name('eu').replace('_', '-').lower()}"
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1000,
+        fetch_max_wait_ms=20,
+    )
+    await producer.start()
+    await consumer.start()
+    monitor = Monitor(config_for(devstack, groups=(group,)))
+    try:
+        for i in range(5):
+            await producer.send_and_wait(topic, f"v{i}".encode())
+        consumed = 0
+        deadline = time.monotonic() + 30
+        while consumed < 5:
+            assert time.monotonic() < deadline, "the worker never consumed its first 5 records"
+            batch = await consumer.getmany(timeout_ms=200)
+            consumed += sum(len(records) for records in batch.values())
+        await consumer.commit()
+        caught_up = await until(
+            monitor, lambda r: (g := r.group(group)) is not None and g.lag == 0, "lag 0"
+        )
+        group_report = caught_up.group(group)
+        assert group_report is not None and group_report.status == "OK"
+        assert group_report.partitions[0].committed == 5
+
+        # The worker pauses (still a live member: it heartbeats) while the source writes on.
+        consumer.pause(*consumer.assignment())
+        before_send = time.time()
+        for i in range(3):
+            await producer.send_and_wait(topic, f"late{i}".encode())
+        after_send = time.time()
+        first = await until(monitor, lambda r: r.group(group).lag == 3, "lag 3")  # type: ignore[union-attr]
+        first_lag_s = first.group(group).lag_seconds  # type: ignore[union-attr]
+        # Read from the timestamp of the record at the committed offset, not guessed.
+        assert first.at - after_send - 0.5 <= first_lag_s <= first.at - before_send + 0.5
+        for i in range(3):
+            await producer.send_and_wait(topic, f"later{i}".encode())
+        stalled = await until(
+            monitor,
+            lambda r: (
+                r.group(group).status == "STALL"  # type: ignore[union-attr]
+                and r.group(group).lag == 6
+            ),  # type: ignore[union-attr]
+            "status STALL with lag 6",
+        )
+        g = stalled.group(group)
+        assert g is not None
+        assert g.severity == "ERR" and stalled.severity == "ERR"
+        assert g.lag_seconds > first_lag_s  # seconds grow with the same record unconsumed
+        assert g.partitions[0].committed == 5 and g.partitions[0].end == 11
+        assert any(group in problem and "STALL" in problem for problem in stalled.problems)
+
+        # The CLI, in its own process, sees the same and says so in its exit code.
+        cli = _edgefeed(
+            stack_settings_file, "lag", "--json", "-g", group, "--samples", "3", "--interval", "0.4"
+        )
+        assert cli.returncode == 4, cli.stderr
+        cli_group = next(
+            x for x in json.loads(cli.stdout)["kafka"]["groups"] if x["group"] == group
+        )
+        assert cli_group["status"] == "STALL" and cli_group["lag"] == 6
+        assert cli_group["lag_seconds"] > 0
+
+        # Resume: the worker drains and commits; the status clears.
+        consumer.resume(*consumer.assignment())
+        drained = 0
+        deadline = time.monotonic() + 30
+        while drained < 6:
+            assert time.monotonic() < deadline, "the resumed worker did not drain"
+            batch = await consumer.getmany(timeout_ms=200)
+            drained += sum(len(records) for records in batch.values())
+        await consumer.commit()
+        cleared = await until(
+            monitor,
+            lambda r: r.group(group).lag == 0,
+            "lag back to 0",  # type: ignore[union-attr]
+        )
+        g = cleared.group(group)
+        assert g is not None and g.status == "OK" and g.severity == "OK"
+        assert g.lag_seconds == 0
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def test_freshness_per_region_reflects_a_postgres_write(
+    devstack: DevStack,
+    pg_conn: psycopg.Connection[tuple[object, ...]],
+    make_table: Callable[[str, str], str],
+    region_redis: dict[str, redis.Redis],
+    connect_client: ConnectClient,
+    cleanup_source: Callable[[SourceSettings], None],
+) -> None:
+    """A row written in PostgreSQL travels through Debezium; the cache writer's contract
+    (freshness hash + vector header with the source commit time) is applied for the
+    region, and the monitor's freshness for that region is counted from that commit."""
+    s = devstack.settings
+    table = make_table("prefs", "id bigint PRIMARY KEY, score int")
+    source = SourceSettings(
+        name=unique_name("fresh").lower(),
+        tables=[TableSettings(name=table, key=["id"])],
+        snapshot_mode="no_data",
+    )
+    cleanup_source(source)
+    deploy.apply(connect_client, s.database, [source], wait_s=90)
+    pg_conn.execute(f"INSERT INTO {table} (id, score) VALUES (7, 42)")
+    records = await read_topic(s.kafka.bootstrap_servers, source.topic_for(table), count=1)
+    event = json.loads(records[0][1] or b"{}")
+    commit_us = int(event["source"]["ts_ms"]) * 1000
+    lsn = int(event["source"]["lsn"])
+
+    # What the pipeline writes for region eu-west after its batch (edge_cache's contract).
+    write_us = int(time.time() * 1e6)
+    header = bytearray(40)
+    header[0:2] = b"EF"
+    header[2] = 1
+    header[24:32] = commit_us.to_bytes(8, "little", signed=True)
+    header[32:40] = write_us.to_bytes(8, "little", signed=True)
+    eu = region_redis["eu-west"]
+    eu.set(f"ef:{{{table}:7}}", bytes(header) + b"\x00" * 8)
+    eu.hset(
+        f"ef:freshness:{table}",
+        mapping={"commit_us": commit_us, "write_us": write_us, "lsn": lsn},
+    )
+
+    regions = tuple(RegionTarget(r.name, r.redis_url) for r in s.regions)
+    monitor = Monitor(config_for(devstack, regions=regions, groups=("none",)))
+    report = await monitor.collect()
+    eu_report = report.region("eu-west")
+    assert eu_report is not None
+    entity = next(e for e in eu_report.entities if e.entity == table)
+    expected = report.at - commit_us / 1e6
+    assert entity.freshness_seconds is not None
+    assert abs(entity.freshness_seconds - expected) < 0.5
+    assert entity.write_delay_seconds == pytest.approx((write_us - commit_us) / 1e6)
+    assert entity.lsn == str(lsn)
+    assert entity.sampled == 1
+    assert entity.sample_oldest_seconds == pytest.approx(entity.freshness_seconds, abs=0.5)
+    # The other regions got nothing: no data there, not a false "fresh".
+    us = report.region("us-east")
+    assert us is not None and us.state == "NODATA" and us.freshness_seconds is None
+
+
+async def test_idle_slot_shows_retained_wal(
+    devstack: DevStack,
+    pg_conn: psycopg.Connection[tuple[object, ...]],
+    make_table: Callable[[str, str], str],
+) -> None:
+    slot = unique_name("idle").lower()
+    table = make_table("walfill", "id bigint PRIMARY KEY, pad text")
+    pg_conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    try:
+        pg_conn.execute(
+            f"INSERT INTO {table} SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g"
+        )
+        monitor = Monitor(
+            config_for(
+                devstack,
+                groups=("none",),
+                database_dsn=devstack.settings.database.dsn(),
+                sources=(SourceTarget("idle", "edgefeed-idle", slot),),
+                slot_wal_bound_bytes=100 * 1024,
+            )
+        )
+        report = await monitor.collect()
+        row = report.slot(slot)
+        assert row is not None
+        assert row.active is False
+        assert row.retained_wal_bytes is not None and row.retained_wal_bytes > 400_000
+        assert row.source == "idle"
+        assert row.severity == "ERR" and "over" in row.reason
+        pg_conn.execute(
+            f"INSERT INTO {table} SELECT g, repeat('y', 200) FROM generate_series(2001, 4000) g"
+        )
+        later = (await monitor.collect()).slot(slot)
+        assert later is not None and later.retained_wal_bytes is not None
+        assert later.retained_wal_bytes > row.retained_wal_bytes
+    finally:
+        drop_slot(pg_conn, slot, f"no_publication_{slot}")
+
+
+@pytest.fixture
+def connect_client(devstack: DevStack) -> Iterator[ConnectClient]:
+    with ConnectClient(devstack.settings.connect.url, timeout_s=30) as client:
+        yield client
+
+
+@pytest.fixture
+def cleanup_source(
+    connect_client: ConnectClient, pg_conn: psycopg.Connection[tuple[object, ...]]
+) -> Iterator[Callable[[SourceSettings], None]]:
+    sources: list[SourceSettings] = []
+    yield sources.append
+    for source in sources:
+        connect_client.delete(source.connector_name)
+        drop_slot(pg_conn, source.effective_slot_name, source.effective_publication)
+
+
+async def test_failed_connector_task_shows_in_lag_and_in_the_exporter(
+    devstack: DevStack,
+    make_table: Callable[[str, str], str],
+    connect_client: ConnectClient,
+    cleanup_source: Callable[[SourceSettings], None],
+) -> None:
+    s = devstack.settings
+    source = SourceSettings(
+        name=unique_name("broken").lower(),
+        tables=[TableSettings(name=make_table("acct", "id bigint PRIMARY KEY"), key=["id"])],
+        snapshot_mode="no_data",
+        # Valid to Connect's validation, but the server has no decoderbufs plugin:
+        # the task fails when it starts, as a broken deployment would.
+        extra={"plugin.name": "decoderbufs"},
+    )
+    cleanup_source(source)
+    password = s.database.secret()
+    connect_client.put_config(source.connector_name, render_connector_config(s.database, source))
+    config = config_for(
+        devstack,
+        groups=("none",),
+        connect_url=s.connect.url,
+        sources=(SourceTarget(source.name, source.connector_name, source.effective_slot_name),),
+        secrets=(password,),
+    )
+    monitor = Monitor(config)
+    report = await until(
+        monitor,
+        lambda r: (
+            (c := r.connector(source.connector_name)) is not None
+            and (c.state == "FAILED" or any(t.state == "FAILED" for t in c.tasks))
+        ),
+        "connector failed",
+        deadline_s=60,
+    )
+    connector = report.connector(source.connector_name)
+    assert connector is not None
+    assert connector.severity == "ERR"
+    assert connector.failure and "decoderbufs" in connector.failure
+    assert password not in json.dumps(report.as_dict())
+    assert report.severity == "ERR"
+
+    # The exporter shows it too, in a format Prometheus parses.
+    stop = asyncio.Event()
+    ports: list[int] = []
+    server = asyncio.create_task(
+        serve(
+            Monitor(config),
+            host="127.0.0.1",
+            port=0,
+            interval_s=0.5,
+            stop=stop,
+            on_ready=ports.append,
+        )
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ports:
+            assert time.monotonic() < deadline and not server.done(), "exporter did not start"
+            await asyncio.sleep(0.05)
+        body = await asyncio.to_thread(
+            lambda: requests.get(f"http://127.0.0.1:{ports[0]}/metrics", timeout=10).text
+        )
+    finally:
+        stop.set()
+        await server
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+    failed_state = [
+        value
+        for (name, labels), value in samples.items()
+        if name in ("edgefeed_connector_state", "edgefeed_connector_task_state")
+        and ("connector", source.connector_name) in labels
+        and ("state", "FAILED") in labels
+    ]
+    assert 1.0 in failed_state
+    assert password not in body
