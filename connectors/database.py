@@ -12,7 +12,7 @@ from connectors.exceptions import SourceValidationError
 from connectors.secrets import redact
 from connectors.settings import DatabaseSettings, SourceSettings
 
-__all__ = ["check_sources", "prepare_database"]
+__all__ = ["check_sources", "prepare_database", "table_columns"]
 
 
 def _connect(database: DatabaseSettings) -> psycopg.Connection[tuple[object, ...]]:
@@ -95,3 +95,18 @@ def prepare_database(database: DatabaseSettings, sources: Sequence[SourceSetting
                             sql.Identifier(declared.schema_name, declared.table_name)
                         )
                     )
+
+
+def table_columns(database: DatabaseSettings, tables: Sequence[str]) -> dict[str, set[str]]:
+    """The columns of each ``schema.table`` (an empty set for a table that does not exist)."""
+    result: dict[str, set[str]] = {}
+    with _connect(database) as conn:
+        for name in tables:
+            schema, table = name.split(".", 1)
+            rows = conn.execute(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_schema = %s AND table_name = %s",
+                (schema, table),
+            ).fetchall()
+            result[name] = {str(r[0]) for r in rows}
+    return result

@@ -2,6 +2,50 @@
 
 from __future__ import annotations
 
+from edge_cache.breaker import CircuitBreaker
+from edge_cache.client import AsyncFeatureClient, FeatureClient
+from edge_cache.exceptions import (
+    ConfigError,
+    CorruptValueError,
+    EdgeCacheError,
+    InvalidValueError,
+    RegionUnavailableError,
+    SchemaError,
+    SchemaVersionError,
+    UnknownEntityError,
+    UnknownFeatureError,
+)
+from edge_cache.layout import KeyLayout, Position
+from edge_cache.nearcache import NearCacheConfig
+from edge_cache.result import FeatureVectors
+from edge_cache.schema import Dtype, Feature, FeatureSchema
 from edge_cache.settings import RegionSettings
+from edge_cache.writer import AsyncFeatureWriter, Delete, FeatureWriter, Upsert, WriteOp
 
-__all__ = ["RegionSettings"]
+__all__ = [
+    "AsyncFeatureClient",
+    "AsyncFeatureWriter",
+    "CircuitBreaker",
+    "ConfigError",
+    "CorruptValueError",
+    "Delete",
+    "Dtype",
+    "EdgeCacheError",
+    "Feature",
+    "FeatureClient",
+    "FeatureSchema",
+    "FeatureVectors",
+    "FeatureWriter",
+    "InvalidValueError",
+    "KeyLayout",
+    "NearCacheConfig",
+    "Position",
+    "RegionSettings",
+    "RegionUnavailableError",
+    "SchemaError",
+    "SchemaVersionError",
+    "UnknownEntityError",
+    "UnknownFeatureError",
+    "Upsert",
+    "WriteOp",
+]

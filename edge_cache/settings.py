@@ -21,6 +21,8 @@ class RegionSettings(BaseModel):
             data of an entity whose home region is here may be served only by
             regions of the same zone.
         failover: Regions to fall back to, in order, when this one is down.
+        cluster: True when ``redis_url`` names one node of a Redis Cluster (the
+            client discovers the others); False for a single server.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -29,6 +31,7 @@ class RegionSettings(BaseModel):
     redis_url: str
     residency_zone: str
     failover: list[str] = Field(default_factory=list)
+    cluster: bool = False
 
     @field_validator("name")
     @classmethod

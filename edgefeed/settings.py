@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from connectors.settings import ConnectSettings, DatabaseSettings, SourceSettings
+from connectors.settings import ConnectSettings, DatabaseSettings, SourceSettings, TableSettings
 from edge_cache.settings import RegionSettings
 from edgefeed.errors import EdgefeedError
+from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
 
 __all__ = [
     "EdgefeedSettings",
@@ -38,42 +39,6 @@ SETTINGS_ENV_VAR = "EDGEFEED_SETTINGS"
 
 class SettingsError(EdgefeedError, ValueError):
     """The settings file is missing, unreadable or invalid. Not retryable: fix the file."""
-
-
-class KafkaSettings(BaseModel):
-    """The Kafka cluster the pipeline reads from and writes to.
-
-    Attributes:
-        bootstrap_servers: ``host:port`` of one or more brokers.
-        session_timeout_ms: Consumer group session timeout. Tansu (the local
-            broker) answers a new group's join after about half of it, so keep
-            it at 6-10 s in development.
-        fetch_max_wait_ms: How long a fetch waits for data. Keep it short
-            (10-50 ms): the freshness budget is counted in milliseconds.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    bootstrap_servers: list[str] = Field(default_factory=lambda: ["127.0.0.1:9092"], min_length=1)
-    client_id: str = "edgefeed"
-    session_timeout_ms: int = Field(default=10_000, ge=1_000)
-    fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
-
-    @field_validator("bootstrap_servers", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    @field_validator("bootstrap_servers")
-    @classmethod
-    def _host_port(cls, value: list[str]) -> list[str]:
-        for server in value:
-            host, sep, port = server.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"bootstrap server {server!r} must be host:port")
-        return value
 
 
 class EdgefeedSettings(BaseSettings):
@@ -95,6 +60,8 @@ class EdgefeedSettings(BaseSettings):
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     regions: list[RegionSettings] = Field(min_length=1)
     sources: list[SourceSettings] = Field(default_factory=list)
+    pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
+    entities: list[EntitySettings] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _regions_consistent(self) -> EdgefeedSettings:
@@ -113,6 +80,17 @@ class EdgefeedSettings(BaseSettings):
                     )
                 if other == region.name:
                     raise ValueError(f"region {region.name!r} lists itself in its failover")
+        captured = {table.name for source in self.sources for table in source.tables}
+        entity_names = [entity.name for entity in self.entities]
+        for entity in self.entities:
+            if entity_names.count(entity.name) > 1:
+                raise ValueError(f"entity {entity.name!r} is declared twice")
+            for table in entity.tables:
+                if table not in captured:
+                    raise ValueError(
+                        f"entity {entity.name!r} reads table {table}, which no source captures; "
+                        f"captured tables: {', '.join(sorted(captured)) or '(none)'}"
+                    )
         source_names = [source.name for source in self.sources]
         for name in set(source_names):
             if source_names.count(name) > 1:
@@ -143,6 +121,14 @@ class EdgefeedSettings(BaseSettings):
         raise SettingsError(
             f"region {name!r} not in regions: {', '.join(r.name for r in self.regions)}"
         )
+
+    def tables(self) -> dict[str, TableSettings]:
+        """Every captured table, by ``schema.table``."""
+        return {table.name: table for source in self.sources for table in source.tables}
+
+    def topic_of_table(self) -> dict[str, str]:
+        """The Debezium change topic of every captured table."""
+        return {t.name: s.topic_for(t.name) for s in self.sources for t in s.tables}
 
     @property
     def region_names(self) -> list[str]:

@@ -1,0 +1,487 @@
+"""Feature lookup benchmark: edgefeed's FeatureClient against plain redis-py and Feast.
+
+Measured in one run, one caller at a time, on one local redis-server (started
+here on a free loopback port, stopped at the end):
+
+* plain redis-py: the floor. A packed float32 vector per entity, read with GET
+  (1 entity) or one MGET (100 entities) and turned into a NumPy matrix.
+* edgefeed: ``FeatureClient.get(...).to_numpy()`` / ``AsyncFeatureClient``,
+  near cache off and on (on: every read is a near-cache hit).
+* Feast: ``FeatureStore.get_online_features(...).to_dict()`` on a Redis online
+  store holding the same values. Feast pins redis<8 (edgefeed uses redis 8), so
+  it runs in its own virtual environment, driven as a subprocess; the interpreter
+  is ``--feast-python``, else ``$EDGEFEED_FEAST_PYTHON``, else ``.venv/feast``.
+
+Usage::
+
+    .venv/bin/python benchmarks/lookup.py            # full run (~1 min)
+    .venv/bin/python benchmarks/lookup.py --smoke    # a few seconds, checks values
+    .venv/bin/python benchmarks/lookup.py --json out.json
+
+Every case first checks that its values equal the written ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+
+from edge_cache import (
+    AsyncFeatureClient,
+    FeatureClient,
+    FeatureSchema,
+    FeatureWriter,
+    NearCacheConfig,
+    Position,
+    RegionSettings,
+    Upsert,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+N_ENTITIES = 1000
+N_FEATURES = 50
+SIZES = (1, 100)
+
+FEAST_DRIVER = r"""
+import json, sys, tempfile, time, os
+from datetime import datetime, timedelta, timezone
+import numpy as np
+import pandas as pd
+from feast import Entity, FeatureStore, FeatureView, Field, FileSource, ValueType
+from feast.types import Float32, Int64
+
+args = json.loads(sys.argv[1])
+data = np.load(args["data"])
+n, k = data.shape
+repo = tempfile.mkdtemp(prefix="edgefeed-feast-")
+with open(os.path.join(repo, "feature_store.yaml"), "w") as f:
+    f.write(
+        "project: edgefeed_bench\n"
+        f"registry: {repo}/registry.db\n"
+        "provider: local\n"
+        "online_store:\n  type: redis\n"
+        f"  connection_string: \"127.0.0.1:{args['port']}\"\n"
+        "offline_store:\n  type: file\n"
+        "entity_key_serialization_version: 3\n"
+    )
+now = datetime.now(timezone.utc)
+frame = pd.DataFrame(data, columns=[f"f{i}" for i in range(k)])
+frame.insert(0, "user_id", np.arange(n, dtype=np.int64))
+frame["event_timestamp"] = now
+parquet = os.path.join(repo, "users.parquet")
+frame.to_parquet(parquet)
+user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.INT64)
+view = FeatureView(
+    name="user_features",
+    entities=[user],
+    ttl=timedelta(days=1),
+    schema=[Field(name="user_id", dtype=Int64)]
+    + [Field(name=f"f{i}", dtype=Float32) for i in range(k)],
+    online=True,
+    source=FileSource(path=parquet, timestamp_field="event_timestamp"),
+)
+store = FeatureStore(repo_path=repo)
+store.apply([user, view])
+store.write_to_online_store("user_features", frame)
+refs = [f"user_features:f{i}" for i in range(k)]
+out = {"version": __import__("feast").__version__, "cases": {}}
+for size, batches in args["batches"].items():
+    rows_of = [[{"user_id": int(i)} for i in batch] for batch in batches]
+    got = store.get_online_features(features=refs, entity_rows=rows_of[0]).to_dict()
+    first = range(len(batches[0]))
+    check = np.array([[got[f"f{i}"][r] for i in range(k)] for r in first], np.float32)
+    ok = bool(np.array_equal(check, data[batches[0]]))
+    for rows in rows_of[: args["warmup"]]:
+        store.get_online_features(features=refs, entity_rows=rows).to_dict()
+    times = []
+    start = time.perf_counter()
+    i = 0
+    while True:
+        rows = rows_of[i % len(rows_of)]
+        t0 = time.perf_counter_ns()
+        store.get_online_features(features=refs, entity_rows=rows).to_dict()
+        times.append(time.perf_counter_ns() - t0)
+        i += 1
+        if i >= args["min_calls"] and time.perf_counter() - start >= args["seconds"]:
+            break
+    wall = time.perf_counter() - start
+    out["cases"][size] = {"times_ns": times, "wall_s": wall, "values_ok": ok}
+print(json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A throw-away redis-server on a free loopback port."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.dir = tempfile.mkdtemp(prefix="edgefeed-bench-redis-")
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis(port=self.port, socket_timeout=1) as client:
+                    client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def summarize(times_ns: list[int], wall_s: float) -> dict[str, float]:
+    arr = np.asarray(times_ns, dtype=np.float64) / 1000.0
+    return {
+        "calls": len(times_ns),
+        "p50_us": float(np.percentile(arr, 50)),
+        "p99_us": float(np.percentile(arr, 99)),
+        "calls_per_s": len(times_ns) / wall_s,
+    }
+
+
+def run_sync(
+    call: Callable[[list[int]], Any],
+    batches: list[list[int]],
+    seconds: float,
+    min_calls: int,
+    warmup: int,
+) -> dict[str, float]:
+    for batch in batches[:warmup]:
+        call(batch)
+    gc.collect()
+    times: list[int] = []
+    perf = time.perf_counter_ns
+    start = time.perf_counter()
+    i = 0
+    n = len(batches)
+    while True:
+        batch = batches[i % n]
+        t0 = perf()
+        call(batch)
+        times.append(perf() - t0)
+        i += 1
+        if i >= min_calls and time.perf_counter() - start >= seconds:
+            break
+    return summarize(times, time.perf_counter() - start)
+
+
+async def run_async(
+    call: Callable[[list[int]], Awaitable[Any]],
+    batches: list[list[int]],
+    seconds: float,
+    min_calls: int,
+    warmup: int,
+) -> dict[str, float]:
+    for batch in batches[:warmup]:
+        await call(batch)
+    gc.collect()
+    times: list[int] = []
+    perf = time.perf_counter_ns
+    start = time.perf_counter()
+    i = 0
+    n = len(batches)
+    while True:
+        batch = batches[i % n]
+        t0 = perf()
+        await call(batch)
+        times.append(perf() - t0)
+        i += 1
+        if i >= min_calls and time.perf_counter() - start >= seconds:
+            break
+    return summarize(times, time.perf_counter() - start)
+
+
+def feast_python(explicit: str | None) -> str | None:
+    candidates = [
+        explicit,
+        os.environ.get("EDGEFEED_FEAST_PYTHON"),
+        str(ROOT / ".venv/feast/bin/python"),
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def run_feast(
+    python: str,
+    port: int,
+    data: np.ndarray,
+    batches: dict[int, list[list[int]]],
+    seconds: float,
+    min_calls: int,
+    warmup: int,
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="edgefeed-bench-") as tmp:
+        path = os.path.join(tmp, "data.npy")
+        np.save(path, data)
+        args = {
+            "data": path,
+            "port": port,
+            "seconds": seconds,
+            "min_calls": min_calls,
+            "warmup": warmup,
+            "batches": {str(k): v for k, v in batches.items()},
+        }
+        done = subprocess.run(
+            [python, "-c", FEAST_DRIVER, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"the Feast driver failed:\n{done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="a few seconds: tiny runs, same checks"
+    )
+    parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per case")
+    parser.add_argument("--feast-python", help="interpreter of a venv with feast[redis] installed")
+    parser.add_argument("--no-feast", action="store_true", help="skip the Feast comparison")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    seconds, min_calls, warmup = (0.05, 20, 5) if args.smoke else (args.seconds, 200, 200)
+    n_entities = 200 if args.smoke else N_ENTITIES
+
+    rng = np.random.default_rng(42)
+    data = rng.standard_normal((n_entities, N_FEATURES)).astype(np.float32)
+    batches = {
+        size: [sorted(rng.choice(n_entities, size, replace=False).tolist()) for _ in range(64)]
+        for size in SIZES
+    }
+    schema = FeatureSchema.of("user", [f"f{i}" for i in range(N_FEATURES)])
+    server = RedisServer()
+    results: dict[str, Any] = {"cases": {}, "checks": {}}
+    try:
+        region = RegionSettings(name="bench", redis_url=server.url, residency_zone="local")
+        with FeatureWriter.from_region(region, [schema]) as writer:
+            now = time.time()
+            writer.write(
+                [
+                    Upsert(
+                        "user",
+                        i,
+                        dict(zip(schema.names, row.tolist(), strict=True)),
+                        Position(1),
+                        now,
+                    )
+                    for i, row in enumerate(data)
+                ]
+            )
+        plain = redis.Redis.from_url(server.url)
+        plain.mset({f"plain:{i}": row.tobytes() for i, row in enumerate(data)})
+
+        def plain_read(ids: list[int]) -> np.ndarray:
+            if len(ids) == 1:
+                return np.frombuffer(plain.get(f"plain:{ids[0]}"), np.float32).reshape(1, -1)
+            raw = plain.mget([f"plain:{i}" for i in ids])
+            return np.frombuffer(b"".join(raw), np.float32).reshape(len(ids), -1)
+
+        aplain = aioredis.Redis.from_url(server.url)
+
+        async def aplain_read(ids: list[int]) -> np.ndarray:
+            if len(ids) == 1:
+                return np.frombuffer(await aplain.get(f"plain:{ids[0]}"), np.float32).reshape(1, -1)
+            raw = await aplain.mget([f"plain:{i}" for i in ids])
+            return np.frombuffer(b"".join(raw), np.float32).reshape(len(ids), -1)
+
+        near = NearCacheConfig(max_entries=10_000, ttl_s=3600)
+        off = FeatureClient("bench", [region], [schema])
+        on = FeatureClient("bench", [region], [schema], near_cache=near)
+        deadline = time.monotonic() + 5
+        while on.near is not None and not on.near.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def check(name: str, got: np.ndarray, ids: list[int]) -> None:
+            ok = bool(np.array_equal(got, data[ids]))
+            results["checks"][name] = ok
+            if not ok:
+                raise AssertionError(f"{name}: values differ from the written ones")
+
+        for size in SIZES:
+            sample = batches[size]
+            check(f"plain {size}", plain_read(sample[0]), sample[0])
+            check(f"edgefeed {size}", off.get("user", sample[0]).to_numpy(), sample[0])
+            results["cases"][f"plain redis-py sync {size}x50"] = run_sync(
+                plain_read, sample, seconds, min_calls, warmup
+            )
+            results["cases"][f"edgefeed sync near-off {size}x50"] = run_sync(
+                lambda ids: off.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup
+            )
+            for batch in sample:  # fill the near cache: the "on" case measures hits
+                on.get("user", batch)
+            hit = on.get("user", sample[0])
+            check(f"edgefeed near {size}", hit.to_numpy(), sample[0])
+            results["checks"][f"near hits {size}"] = hit.near_hits == size
+            results["cases"][f"edgefeed sync near-on {size}x50"] = run_sync(
+                lambda ids: on.get("user", ids).to_numpy(), sample, seconds, min_calls, warmup
+            )
+
+        async def async_cases() -> None:
+            aoff = AsyncFeatureClient("bench", [region], [schema])
+            aon = AsyncFeatureClient("bench", [region], [schema], near_cache=near)
+            try:
+                # the listener is a thread: poll its flag (no asyncio.Event to wait on)
+                polls = 0
+                while aon.near is not None and not aon.near.active and polls < 500:
+                    await asyncio.sleep(0.01)
+                    polls += 1
+                for size in SIZES:
+                    sample = batches[size]
+                    check(
+                        f"edgefeed async {size}",
+                        (await aoff.get("user", sample[0])).to_numpy(),
+                        sample[0],
+                    )
+
+                    async def off_call(ids: list[int]) -> np.ndarray:
+                        return (await aoff.get("user", ids)).to_numpy()
+
+                    async def on_call(ids: list[int]) -> np.ndarray:
+                        return (await aon.get("user", ids)).to_numpy()
+
+                    results["cases"][f"plain redis-py async {size}x50"] = await run_async(
+                        aplain_read, sample, seconds, min_calls, warmup
+                    )
+                    results["cases"][f"edgefeed async near-off {size}x50"] = await run_async(
+                        off_call, sample, seconds, min_calls, warmup
+                    )
+                    for batch in sample:
+                        await aon.get("user", batch)
+                    results["cases"][f"edgefeed async near-on {size}x50"] = await run_async(
+                        on_call, sample, seconds, min_calls, warmup
+                    )
+            finally:
+                await aoff.close()
+                await aon.close()
+                await aplain.aclose()
+
+        asyncio.run(async_cases())
+        off.close()
+        on.close()
+        plain.close()
+
+        python = None if args.no_feast else feast_python(args.feast_python)
+        if python is None:
+            results["feast"] = "skipped (no Feast interpreter; see --feast-python)"
+        else:
+            feast = run_feast(
+                python, server.port, data, batches, seconds, min(min_calls, 50), min(warmup, 20)
+            )
+            results["feast"] = f"feast {feast['version']}"
+            for size, case in feast["cases"].items():
+                results["checks"][f"feast {size}"] = case["values_ok"]
+                results["cases"][f"feast get_online_features {size}x50"] = summarize(
+                    case["times_ns"], case["wall_s"]
+                )
+    finally:
+        server.stop()
+    results["ratios"] = ratios(results["cases"])
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def ratios(cases: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for size in SIZES:
+        tag = f"{size}x50"
+        ours = cases[f"edgefeed sync near-off {tag}"]
+        floor = cases[f"plain redis-py sync {tag}"]
+        out[f"edgefeed/plain p50 {tag}"] = ours["p50_us"] / floor["p50_us"]
+        out[f"edgefeed/plain p99 {tag}"] = ours["p99_us"] / floor["p99_us"]
+        aours = cases[f"edgefeed async near-off {tag}"]
+        afloor = cases[f"plain redis-py async {tag}"]
+        out[f"edgefeed/plain async p50 {tag}"] = aours["p50_us"] / afloor["p50_us"]
+        feast = cases.get(f"feast get_online_features {tag}")
+        if feast:
+            out[f"edgefeed/feast calls/s {tag}"] = ours["calls_per_s"] / feast["calls_per_s"]
+            out[f"edgefeed async/feast calls/s {tag}"] = aours["calls_per_s"] / feast["calls_per_s"]
+    return out
+
+
+def report(results: dict[str, Any]) -> None:
+    print(f"{'case':44} {'calls':>7} {'p50 us':>9} {'p99 us':>9} {'calls/s':>9}")
+    for name, case in results["cases"].items():
+        print(
+            f"{name:44} {case['calls']:7d} {case['p50_us']:9.1f} {case['p99_us']:9.1f} "
+            f"{case['calls_per_s']:9.0f}"
+        )
+    print()
+    for name, value in results["ratios"].items():
+        print(f"{name:44} {value:9.2f}")
+    print(f"\nFeast: {results['feast']}")
+    print(
+        "values checked: "
+        + ", ".join(f"{k}={'ok' if v else 'WRONG'}" for k, v in results["checks"].items())
+    )
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"redis-py {redis.__version__}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,535 @@
+"""The key layout and the binary value format, shared by the writer and the reader.
+
+This module is the single owner of how features live in Redis; the writer and
+the lookup client both use it, nothing else builds keys or parses values.
+
+Keys
+    ``{namespace}:{{{entity}:{id}}}``, e.g. ``ef:{user:42}``. The whole
+    ``entity:id`` is the Redis Cluster hash tag, so every key of one entity
+    (today one: its vector; its tombstone reuses the same key) lives in one
+    slot. Schema registry entries are ``{namespace}:schema:{entity}:{version}``.
+
+Values (little-endian unless noted, packed, fixed size per schema version)::
+
+    offset size field
+    0      2    magic "EF"
+    2      1    format version (1)
+    3      1    flags (bit 0: tombstone)
+    4      2    schema version
+    6      2    number of features N in the writer's schema
+    8      4    schema fingerprint
+    12     8    source position: LSN        (big-endian, so the Lua check can
+    20     4    source position: order in   compare it with struct.unpack)
+                the transaction
+    24     8    source commit time, microseconds since the epoch
+    32     8    cache write time, microseconds since the epoch
+    40     ...  feature values in schema order, each in its dtype
+    end-ceil(N/8) validity bitmap, bit i set when feature i has a value
+
+A tombstone is the 40-byte header alone with the tombstone flag: deleting an
+entity overwrites its vector with a position-stamped tombstone (with a TTL), so
+a late, older upsert cannot resurrect it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+import numpy as np
+
+from edge_cache.exceptions import (
+    CorruptValueError,
+    InvalidValueError,
+    SchemaError,
+    SchemaVersionError,
+)
+from edge_cache.schema import Dtype, FeatureSchema
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "Decoded",
+    "KeyLayout",
+    "Position",
+    "RecordLayout",
+    "RecordReader",
+    "encode_tombstone",
+    "to_micros",
+]
+
+MAGIC: Final = b"EF"
+FORMAT_VERSION: Final = 1
+FLAG_TOMBSTONE: Final = 1
+HEADER_SIZE: Final = 40
+POSITION_OFFSET: Final = 12  # the Lua script reads bytes 13..24 (1-based)
+
+_HEADER_FIELDS: list[tuple[str, str]] = [
+    ("magic", "S2"),
+    ("format", "u1"),
+    ("flags", "u1"),
+    ("schema_version", "<u2"),
+    ("n_features", "<u2"),
+    ("fingerprint", "<u4"),
+    ("lsn", ">u8"),
+    ("seq", ">u4"),
+    ("commit_us", "<i8"),
+    ("write_us", "<i8"),
+]
+_HEADER = struct.Struct("<2sBBHHI")  # the part before the position
+_POSITION = struct.Struct(">QI")
+_TIMES = struct.Struct("<qq")
+
+_NUMPY: dict[Dtype, str] = {
+    "float32": "<f4",
+    "float64": "<f8",
+    "int32": "<i4",
+    "int64": "<i8",
+    "bool": "u1",
+}
+_INT_RANGE: dict[Dtype, tuple[int, int]] = {
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+}
+_U64 = 2**64 - 1
+_U32 = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """Where a change comes from in the source's log; later positions win.
+
+    Attributes:
+        lsn: Log position of the source transaction (PostgreSQL LSN as an int).
+        seq: Order of the change within the transaction.
+    """
+
+    lsn: int
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lsn, int) or not 0 <= self.lsn <= _U64:
+            raise InvalidValueError(f"position lsn {self.lsn!r} must be an int in 0..2**64-1")
+        if not isinstance(self.seq, int) or not 0 <= self.seq <= _U32:
+            raise InvalidValueError(f"position seq {self.seq!r} must be an int in 0..2**32-1")
+
+    @classmethod
+    def from_pg_lsn(cls, lsn: str, seq: int = 0) -> Position:
+        """Parse PostgreSQL's ``XXXXXXXX/XXXXXXXX`` LSN text.
+
+        Raises:
+            InvalidValueError: not an LSN.
+        """
+        high, sep, low = lsn.partition("/")
+        try:
+            if not sep:
+                raise ValueError(lsn)
+            return cls((int(high, 16) << 32) | int(low, 16), seq)
+        except ValueError:
+            raise InvalidValueError(
+                f"{lsn!r} is not a PostgreSQL LSN; expected hex 'XXXXXXXX/XXXXXXXX' "
+                "like '16/B374D848'"
+            ) from None
+
+    def pack(self) -> bytes:
+        """The 12 big-endian bytes stored at :data:`POSITION_OFFSET`."""
+        return _POSITION.pack(self.lsn, self.seq)
+
+
+def to_micros(value: datetime | float | int) -> int:
+    """Microseconds since the epoch from an aware datetime or epoch seconds.
+
+    Raises:
+        InvalidValueError: a naive datetime or a non-finite number.
+    """
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidValueError(
+                f"timestamp {value.isoformat()} has no time zone; pass an aware datetime "
+                "(datetime.now(timezone.utc)) or epoch seconds"
+            )
+        return round(value.timestamp() * 1_000_000)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidValueError(f"timestamp {value!r} must be an aware datetime or epoch seconds")
+    return round(value * 1_000_000)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLayout:
+    """Builds the Redis keys of entities and schema registry entries.
+
+    Attributes:
+        namespace: Prefix of every key, so several deployments can share a Redis.
+    """
+
+    namespace: str = "ef"
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in "{}: \n"):
+            raise SchemaError(
+                f"key namespace {self.namespace!r} must be non-empty without '{{', '}}', ':' "
+                "or spaces"
+            )
+
+    def prefix(self, entity: str) -> str:
+        """Everything of an entity key before the id (``ef:{user:``)."""
+        return f"{self.namespace}:{{{entity}:"
+
+    def key(self, entity: str, entity_id: str | int) -> str:
+        """The key of one entity's vector (``ef:{user:42}``)."""
+        return f"{self.namespace}:{{{entity}:{_id_text(entity_id)}}}"
+
+    def keys(self, entity: str, ids: Iterable[str | int]) -> list[str]:
+        """Keys of many entities of one type, in order."""
+        prefix = self.prefix(entity)
+        return [f"{prefix}{_id_text(entity_id)}}}" for entity_id in ids]
+
+    def schema_key(self, entity: str, version: int) -> str:
+        """The registry key of one schema version (``ef:schema:user:2``)."""
+        return f"{self.namespace}:schema:{entity}:{version}"
+
+    def freshness_key(self, entity: str) -> str:
+        """The HASH where the pipeline records, per entity type, the source commit
+        time (``commit_us``), write time (``write_us``) and ``lsn`` of the newest
+        vector written (``ef:freshness:user``)."""
+        return f"{self.namespace}:freshness:{entity}"
+
+
+def _id_text(entity_id: str | int) -> str:
+    if isinstance(entity_id, str):
+        if entity_id:
+            return entity_id
+    elif isinstance(entity_id, int) and not isinstance(entity_id, bool):
+        return str(entity_id)
+    raise InvalidValueError(f"entity id {entity_id!r} must be a non-empty str or an int")
+
+
+def encode_tombstone(position: Position, commit_us: int, write_us: int) -> bytes:
+    """The 40-byte tombstone that replaces a deleted entity's vector."""
+    return (
+        _HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_TOMBSTONE, 0, 0, 0)
+        + position.pack()
+        + _TIMES.pack(commit_us, write_us)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    field: str
+    dtype: Dtype
+    start: int
+    count: int
+
+
+def _runs(schema: FeatureSchema) -> list[_Run]:
+    runs: list[_Run] = []
+    for position, feature in enumerate(schema.features):
+        if runs and runs[-1].dtype == feature.dtype:
+            last = runs[-1]
+            runs[-1] = _Run(last.field, last.dtype, last.start, last.count + 1)
+        else:
+            runs.append(_Run(f"r{len(runs)}", feature.dtype, position, 1))
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLayout:
+    """The fixed-size record of one schema version, as a NumPy structured dtype.
+
+    Consecutive features of the same dtype form one sub-array field (``r0``,
+    ``r1``...), so an all-float32 schema decodes as one ``float32[N]`` block.
+    """
+
+    schema: FeatureSchema
+    dtype: np.dtype[Any] = field(init=False)
+    runs: tuple[_Run, ...] = field(init=False)
+    itemsize: int = field(init=False)
+    payload_size: int = field(init=False)
+    valid_size: int = field(init=False)
+    _slot: tuple[tuple[str, int], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        runs = tuple(_runs(self.schema))
+        n = len(self.schema.features)
+        valid_size = (n + 7) // 8
+        fields = list(_HEADER_FIELDS)
+        fields += [(run.field, _NUMPY[run.dtype], (run.count,)) for run in runs]  # type: ignore[misc]
+        fields.append(("valid", "u1", (valid_size,)))  # type: ignore[arg-type]
+        dtype = np.dtype(fields)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "runs", runs)
+        object.__setattr__(self, "itemsize", dtype.itemsize)
+        object.__setattr__(self, "valid_size", valid_size)
+        object.__setattr__(self, "payload_size", dtype.itemsize - HEADER_SIZE - valid_size)
+        slot = []
+        for run in runs:
+            slot += [(run.field, i) for i in range(run.count)]
+        object.__setattr__(self, "_slot", tuple(slot))
+
+    def encode(
+        self,
+        values: Mapping[str, Any],
+        position: Position,
+        commit_us: int,
+        write_us: int,
+    ) -> bytes:
+        """One entity's vector as bytes. Features absent from ``values`` or None are missing.
+
+        Raises:
+            InvalidValueError: an unknown feature name or a value that does not fit its dtype.
+        """
+        schema = self.schema
+        record = np.zeros((), dtype=self.dtype)
+        record["magic"] = MAGIC
+        record["format"] = FORMAT_VERSION
+        record["schema_version"] = schema.version
+        record["n_features"] = len(schema.features)
+        record["fingerprint"] = schema.fingerprint
+        record["lsn"] = position.lsn
+        record["seq"] = position.seq
+        record["commit_us"] = commit_us
+        record["write_us"] = write_us
+        valid = bytearray(self.valid_size)
+        for name, value in values.items():
+            index = schema.position(name)
+            if index is None:
+                raise InvalidValueError(
+                    f"feature {name!r} is not in schema {schema.entity!r} v{schema.version}; "
+                    f"valid: {', '.join(schema.names)}"
+                )
+            if value is None:
+                continue
+            run_field, offset = self._slot[index]
+            record[run_field][offset] = _check(schema.features[index].dtype, name, value)
+            valid[index >> 3] |= 1 << (index & 7)
+        record["valid"] = np.frombuffer(bytes(valid), dtype=np.uint8)
+        return record.tobytes()
+
+
+def _check(dtype: Dtype, name: str, value: Any) -> Any:
+    if dtype == "bool":
+        if isinstance(value, bool | np.bool_):
+            return bool(value)
+        raise InvalidValueError(f"feature {name!r} is bool; got {value!r}")
+    if isinstance(value, bool | np.bool_):
+        raise InvalidValueError(f"feature {name!r} is {dtype}; got the bool {value!r}")
+    if dtype in _INT_RANGE:
+        if not isinstance(value, int | np.integer):
+            raise InvalidValueError(f"feature {name!r} is {dtype}; got {value!r}")
+        low, high = _INT_RANGE[dtype]
+        if not low <= int(value) <= high:
+            raise InvalidValueError(f"feature {name!r} value {value!r} is out of {dtype} range")
+        return int(value)
+    if not isinstance(value, int | float | np.integer | np.floating):
+        raise InvalidValueError(f"feature {name!r} is {dtype}; got {value!r}")
+    number = float(value)
+    if dtype == "float32" and math.isfinite(number) and abs(number) > 3.4028234663852886e38:
+        raise InvalidValueError(f"feature {name!r} value {value!r} is out of float32 range")
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """Values of one lookup decoded into the reader's record layout.
+
+    Attributes:
+        records: One record per found entity (reader layout).
+        rows: For each record, the index of its id in the request.
+        deleted: Indices of ids whose key holds a tombstone.
+        needs: ``(version, fingerprint)`` of schema versions to fetch from the
+            registry before decoding can finish; when not empty, ``records`` is empty.
+        all_valid: Every feature of every record has a value.
+        complete: Every requested id was found, and ``rows`` is ``0..n-1`` in order.
+    """
+
+    records: np.ndarray[Any, Any]
+    rows: np.ndarray[Any, np.dtype[np.intp]]
+    deleted: tuple[int, ...] = ()
+    needs: frozenset[tuple[int, int]] = frozenset()
+    all_valid: bool = False
+    complete: bool = False
+
+
+class RecordReader:
+    """Decodes cached values into the layout of the reader's schema version.
+
+    Values of the reader's own version are decoded in one vectorised
+    ``numpy.frombuffer``. A value of another version is read only when the
+    writer's schema, fetched once from the registry, is an append-only
+    evolution or ancestor of the reader's: a newer value gives the features the
+    reader knows, an older one leaves the later features missing. Anything else
+    is refused with :class:`SchemaVersionError`, never misread.
+    """
+
+    def __init__(self, schema: FeatureSchema, layout: KeyLayout) -> None:
+        self.schema = schema
+        self.layout = layout
+        self.record = RecordLayout(schema)
+        self._empty = np.zeros(0, dtype=self.record.dtype)
+        self._prefix = _HEADER.pack(
+            MAGIC, FORMAT_VERSION, 0, schema.version, len(schema.features), schema.fingerprint
+        )
+        n = len(schema.features)
+        full = bytearray(b"\xff" * self.record.valid_size)
+        if n % 8:
+            full[-1] = (1 << (n % 8)) - 1
+        self._full_valid = bytes(full)
+        # (version, fingerprint) -> the writer's RecordLayout, or the error to raise
+        self._known: dict[tuple[int, int], RecordLayout | SchemaVersionError] = {
+            (schema.version, schema.fingerprint): self.record
+        }
+
+    def learn(self, version: int, fingerprint: int, document: bytes | str | None) -> None:
+        """Record what the registry says about a foreign schema version."""
+        key = (version, fingerprint)
+        me = self.schema
+        where = f"schema registry key {self.layout.schema_key(me.entity, version)!r}"
+        if document is None:
+            self._known[key] = SchemaVersionError(
+                f"a value of {me.entity!r} was written with schema version {version}, which is "
+                f"not published ({where} is missing) and this client knows version {me.version}: "
+                "refusing to read it; publish the writer's schema (FeatureWriter.publish_schemas)"
+            )
+            return
+        try:
+            other = FeatureSchema.from_json(document)
+        except SchemaError as exc:
+            self._known[key] = SchemaVersionError(f"{where} is unreadable: {exc}")
+            return
+        if other.fingerprint != fingerprint or other.version != version:
+            self._known[key] = SchemaVersionError(
+                f"a value of {me.entity!r} claims schema version {version} with fingerprint "
+                f"{fingerprint:#010x} but {where} holds fingerprint {other.fingerprint:#010x}: "
+                "two different schemas were deployed under one version; bump the version"
+            )
+        elif me.is_prefix_of(other) or other.is_prefix_of(me):
+            self._known[key] = RecordLayout(other)
+        else:
+            self._known[key] = SchemaVersionError(
+                f"a value of {me.entity!r} was written with schema version {version} "
+                f"({', '.join(other.names)}), which is not an append-only evolution of this "
+                f"client's version {me.version} ({', '.join(me.names)}): refusing to misread it"
+            )
+
+    def decode(self, raws: Sequence[bytes | None], ids: Sequence[Any]) -> Decoded:
+        """Decode the values fetched for ``ids`` (None where the key is absent).
+
+        Raises:
+            CorruptValueError: a value is not in the edgefeed format.
+            SchemaVersionError: a value's schema version cannot be read safely.
+        """
+        size = self.record.itemsize
+        prefix = self._prefix
+        full = self._full_valid
+        parts: list[bytes] = []
+        rows: list[int] = []
+        odd: list[int] = []
+        all_valid = True
+        for index, raw in enumerate(raws):
+            if raw is None:
+                continue
+            # the 12 header bytes before the position are fixed for a value of our version
+            if len(raw) == size and raw.startswith(prefix):
+                parts.append(raw)
+                rows.append(index)
+                if all_valid and not raw.endswith(full):
+                    all_valid = False
+            else:
+                odd.append(index)
+        if not odd:
+            if not parts:
+                return Decoded(self._empty, np.zeros(0, dtype=np.intp))
+            buffer = parts[0] if len(parts) == 1 else b"".join(parts)
+            records = np.frombuffer(buffer, dtype=self.record.dtype)
+            return Decoded(
+                records,
+                np.arange(len(rows), dtype=np.intp)
+                if len(rows) == len(raws)
+                else np.asarray(rows, dtype=np.intp),
+                all_valid=all_valid,
+                complete=len(rows) == len(raws),
+            )
+        records = np.frombuffer(b"".join(parts), dtype=self.record.dtype) if parts else self._empty
+        return self._decode_odd(raws, ids, records, rows, odd)
+
+    def _decode_odd(
+        self,
+        raws: Sequence[bytes | None],
+        ids: Sequence[Any],
+        records: np.ndarray[Any, Any],
+        rows: list[int],
+        odd: list[int],
+    ) -> Decoded:
+        me = self.schema
+        extra: list[bytes] = []
+        deleted: list[int] = []
+        needs: set[tuple[int, int]] = set()
+        for index in odd:
+            raw = raws[index]
+            if raw is None:  # odd holds only present values; this narrows the type
+                continue
+            key = self.layout.key(me.entity, ids[index])
+            if len(raw) < HEADER_SIZE:
+                raise CorruptValueError(
+                    f"value at {key!r} is {len(raw)} bytes, not an edgefeed value"
+                )
+            magic, fmt, flags, version, n_features, fingerprint = _HEADER.unpack_from(raw)
+            if magic != MAGIC or fmt != FORMAT_VERSION:
+                raise CorruptValueError(
+                    f"value at {key!r} is not an edgefeed value (magic {magic!r}, format {fmt}); "
+                    "is another application writing under this key namespace?"
+                )
+            if flags & FLAG_TOMBSTONE:
+                deleted.append(index)
+                continue
+            known = self._known.get((version, fingerprint))
+            if known is None:
+                if version == me.version:
+                    raise SchemaVersionError(
+                        f"value at {key!r} claims schema version {version} of {me.entity!r} with "
+                        f"fingerprint {fingerprint:#010x}, but this client's version {version} has "
+                        f"fingerprint {me.fingerprint:#010x}: two different schemas share one "
+                        "version; bump the version when features change"
+                    )
+                needs.add((version, fingerprint))
+                continue
+            if isinstance(known, SchemaVersionError):
+                raise known
+            if len(raw) != known.itemsize or n_features != len(known.schema.features):
+                raise CorruptValueError(
+                    f"value at {key!r} is {len(raw)} bytes; schema version {version} of "
+                    f"{me.entity!r} needs {known.itemsize}"
+                )
+            extra.append(self._translate(raw, known))
+            rows.append(index)
+        if needs:
+            return Decoded(self._empty, np.zeros(0, dtype=np.intp), (), frozenset(needs))
+        if extra:
+            more = np.frombuffer(b"".join(extra), dtype=self.record.dtype)
+            records = np.concatenate([records, more]) if len(records) else more
+        return Decoded(records, np.asarray(rows, dtype=np.intp), tuple(deleted))
+
+    def _translate(self, raw: bytes, writer: RecordLayout) -> bytes:
+        """Rewrite a value of a compatible version into the reader's layout."""
+        mine = self.record
+        me = self.schema
+        header = (
+            _HEADER.pack(MAGIC, FORMAT_VERSION, 0, me.version, len(me.features), me.fingerprint)
+            + raw[POSITION_OFFSET:HEADER_SIZE]
+        )
+        their_valid = raw[len(raw) - writer.valid_size :]
+        if mine.payload_size <= writer.payload_size:  # writer is newer: keep the prefix
+            payload = raw[HEADER_SIZE : HEADER_SIZE + mine.payload_size]
+            valid = bytearray(their_valid[: mine.valid_size])
+            spare = mine.valid_size * 8 - len(me.features)
+            if spare and valid:
+                valid[-1] &= 0xFF >> spare
+        else:  # writer is older: the features it did not have are missing
+            payload = raw[HEADER_SIZE : HEADER_SIZE + writer.payload_size]
+            payload += bytes(mine.payload_size - writer.payload_size)
+            valid = bytearray(their_valid) + bytearray(mine.valid_size - writer.valid_size)
+        return header + payload + bytes(valid)

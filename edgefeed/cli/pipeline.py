@@ -1,0 +1,63 @@
+"""``edgefeed pipeline``: run the router or a region's feature worker (Faust workers)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import typer
+
+from edgefeed.cli._common import EXIT_USAGE, err_console, run_reported, settings_of
+from edgefeed.pipeline_config import pipeline_config
+
+__all__ = ["register"]
+
+pipeline_app = typer.Typer(help="The Faust pipeline: router and regional feature workers.",
+                           no_args_is_help=True)
+
+
+@pipeline_app.command("run")
+def run(
+    ctx: typer.Context,
+    role: Annotated[str | None, typer.Option(help="'router' to run the router.")] = None,
+    region: Annotated[str | None, typer.Option(help="Run this region's feature worker.")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics on this port.")
+    ] = None,
+    loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Start a Faust worker: `--role router`, or `--region NAME`."""
+    if (role is None) == (region is None) or (role is not None and role != "router"):
+        err_console.print("error: give exactly one of --role router or --region NAME")
+        raise typer.Exit(EXIT_USAGE)
+    settings = settings_of(ctx)
+    config = run_reported(lambda: pipeline_config(settings))
+    if region is not None:
+        run_reported(lambda: settings.region(region))
+
+    import faust  # heavy: only when a worker starts
+
+    from pipeline.app import build_region_app, build_router_app
+    from pipeline.topics import ensure_topics
+
+    topics = {settings.pipeline.region_topic(r): settings.pipeline.partitions
+              for r in settings.region_names}
+    topics[settings.pipeline.dead_letter_topic] = 1
+    if role == "router":
+        for source in settings.sources:
+            for table in source.tables:
+                topics[source.topic_for(table.name)] = source.partitions
+    asyncio.run(ensure_topics(settings.kafka.bootstrap_servers, topics,
+                              replication_factor=settings.pipeline.replication_factor))
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr="127.0.0.1")
+    app = build_router_app(config) if role == "router" else build_region_app(config, region or "")
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    worker.execute_from_commandline()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``edgefeed pipeline`` to the root app."""
+    app.add_typer(pipeline_app, name="pipeline")

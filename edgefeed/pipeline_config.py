@@ -1,0 +1,35 @@
+"""Composing the pipeline's configuration from the settings file."""
+
+from __future__ import annotations
+
+from connectors.database import table_columns
+from edgefeed.settings import EdgefeedSettings, SettingsError
+from pipeline.app import PipelineConfig
+from pipeline.validate import check_feature_columns
+
+__all__ = ["pipeline_config"]
+
+
+def pipeline_config(settings: EdgefeedSettings, *, check_database: bool = True) -> PipelineConfig:
+    """The pipeline's configuration; with ``check_database``, feature columns are checked.
+
+    Raises:
+        SettingsError: no entities are declared.
+        FeatureConfigError: a feature reads a column the database does not have.
+    """
+    if not settings.entities:
+        raise SettingsError(
+            "no entities are declared in the settings: add an 'entities:' section "
+            "(see examples/edgefeed.yaml)"
+        )
+    if check_database:
+        tables = sorted({t for entity in settings.entities for t in entity.tables})
+        check_feature_columns(settings.entities, table_columns(settings.database, tables))
+    return PipelineConfig(
+        kafka=settings.kafka,
+        pipeline=settings.pipeline,
+        entities=settings.entities,
+        tables=settings.tables(),
+        source_topics=settings.topic_of_table(),
+        regions=settings.regions,
+    )

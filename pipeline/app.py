@@ -1,0 +1,284 @@
+"""The Faust apps: the router, and one feature app per region.
+
+``edgefeed pipeline run --role router`` and ``--region NAME`` start these as
+Faust workers. Each app is its own consumer group (``<prefix>-router``,
+``<prefix>-region-<name>``); a region scales by running more workers, up to
+the number of partitions of its change topic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+from aiokafka.partitioner import DefaultPartitioner
+from prometheus_client import Counter, Histogram
+
+from connectors.settings import TableSettings
+from edge_cache import AsyncFeatureWriter, Delete, RegionSettings, Upsert
+from pipeline.envelope import decode_change
+from pipeline.exceptions import PoisonEventError
+from pipeline.features import FeatureEngine
+from pipeline.routing import Router
+from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
+
+__all__ = ["PipelineConfig", "build_region_app", "build_router_app"]
+
+log = logging.getLogger("edgefeed.pipeline")
+
+EVENTS = Counter("edgefeed_pipeline_events_total", "Events processed", ["app", "outcome"])
+DEAD_LETTERS = Counter("edgefeed_pipeline_dead_letters_total", "Events dead-lettered",
+                       ["app", "reason"])
+WRITES = Counter("edgefeed_pipeline_cache_writes_total", "Vectors written to Redis",
+                 ["region", "applied"])
+BATCH = Histogram("edgefeed_pipeline_batch_size", "Events per batch", ["app"],
+                  buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 5000))
+WRITE_SECONDS = Histogram("edgefeed_pipeline_cache_write_seconds",
+                          "Latency of one pipelined batch write to Redis", ["region"])
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """Everything the apps need, composed from the settings file by the CLI."""
+
+    kafka: KafkaSettings
+    pipeline: PipelineSettings
+    entities: Sequence[EntitySettings]
+    tables: Mapping[str, TableSettings]
+    source_topics: Mapping[str, str]  # table -> Debezium topic
+    regions: Sequence[RegionSettings]
+    extra_faust: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def region_names(self) -> list[str]:
+        return [region.name for region in self.regions]
+
+    def region(self, name: str) -> RegionSettings:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise PoisonEventError("unknown-region", f"region {name!r} not in regions")
+
+    def fed_topics(self) -> list[str]:
+        """The Debezium topics of tables that feed some entity."""
+        tables = {table for entity in self.entities for table in entity.tables}
+        return sorted({self.source_topics[table] for table in tables})
+
+
+def _patch_fetch_wait(ms: int) -> None:
+    """Make Faust's consumers use a short fetch wait.
+
+    Faust hard-codes ``fetch_max_wait_ms=1500`` for its consumers, and a broker
+    may hold a waiting fetch for all of it; freshness is counted in
+    milliseconds, so the setting (kafka.fetch_max_wait_ms) must win.
+    """
+    from faust.transport.drivers import aiokafka as driver
+
+    thread_class: Any = driver.AIOKafkaConsumerThread
+    if getattr(thread_class, "_edgefeed_fetch_wait_ms", None) == ms:
+        return
+    original = getattr(thread_class, "_edgefeed_original_create", None)
+    if original is None:
+        original = thread_class._create_worker_consumer
+        thread_class._edgefeed_original_create = original
+
+    def create(self: Any, transport: Any) -> Any:
+        consumer = original(self, transport)
+        consumer._fetch_max_wait_ms = ms
+        return consumer
+
+    thread_class._create_worker_consumer = create
+    thread_class._edgefeed_fetch_wait_ms = ms
+
+
+def _faust_app(app_id: str, config: PipelineConfig) -> faust.App:
+    kafka, pipeline = config.kafka, config.pipeline
+    _patch_fetch_wait(kafka.fetch_max_wait_ms)
+    session_s = kafka.session_timeout_ms / 1000.0
+    options: dict[str, Any] = {
+        "broker": [f"kafka://{server}" for server in kafka.bootstrap_servers],
+        "broker_client_id": f"{kafka.client_id}-{app_id}",
+        "store": "memory://",
+        "broker_session_timeout": session_s,
+        "broker_heartbeat_interval": max(0.5, session_s / 6),
+        "broker_request_timeout": max(40.0, session_s + 10),
+        "broker_commit_interval": pipeline.commit_interval_s,
+        "consumer_auto_offset_reset": "earliest",
+        "topic_partitions": pipeline.partitions,
+        "topic_replication_factor": pipeline.replication_factor,
+        "topic_disable_leader": True,
+        "table_standby_replicas": 0,
+        "web_enabled": False,
+        "stream_wait_empty": False,
+        "producer_linger": 0.0,
+    }
+    options.update(config.extra_faust)
+    return faust.App(app_id, **options)
+
+
+def _dead_letter_headers(reason: str, message: str, event: Any, stage: str) -> dict[str, bytes]:
+    msg = event.message
+    return {
+        "edgefeed-reason": reason.encode(),
+        "edgefeed-error": message.encode()[:2000],
+        "edgefeed-stage": stage.encode(),
+        "edgefeed-topic": str(msg.topic).encode(),
+        "edgefeed-partition": str(msg.partition).encode(),
+        "edgefeed-offset": str(msg.offset).encode(),
+    }
+
+
+def build_router_app(config: PipelineConfig) -> faust.App:
+    """The router: Debezium topics in, per-region change topics out (data residency)."""
+    app_id = config.pipeline.router_app_id
+    app = _faust_app(app_id, config)
+    router = Router(config.entities, config.tables, config.region_names)
+    batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
+    partitions = config.pipeline.partitions
+    source = app.topic(*config.fed_topics(), key_serializer="raw", value_serializer="raw")
+    outputs = {
+        name: app.topic(config.pipeline.region_topic(name), partitions=partitions,
+                        key_serializer="raw", value_serializer="raw")
+        for name in config.region_names
+    }
+    dead = app.topic(config.pipeline.dead_letter_topic, partitions=1,
+                     key_serializer="raw", value_serializer="raw")
+
+    @app.agent(source, name="route")
+    async def route(stream: Any) -> None:
+        async for events in stream.take_events(batch_max, within):
+            BATCH.labels(app_id).observe(len(events))
+            for event in events:
+                try:
+                    change = decode_change(event.value or b"", offset=event.message.offset)
+                    if change is None:
+                        EVENTS.labels(app_id, "tombstone").inc()
+                        continue
+                    messages = router.route(change)
+                except PoisonEventError as exc:
+                    DEAD_LETTERS.labels(app_id, exc.reason).inc()
+                    log.warning("dead-lettered %s:%s@%s: %s", event.message.topic,
+                                event.message.partition, event.message.offset, exc)
+                    await dead.send(key=event.key, value=event.value,
+                                    headers=_dead_letter_headers(exc.reason, str(exc), event,
+                                                                 "router"))
+                    continue
+                if not messages:
+                    EVENTS.labels(app_id, "ignored").inc()
+                    continue
+                for message in messages:
+                    body = json.dumps(message.value, separators=(",", ":")).encode()
+                    topic = outputs[message.region]
+                    if message.key is None:  # a truncate reaches every partition
+                        for partition in range(partitions):
+                            await topic.send(value=body, partition=partition)
+                    else:
+                        await topic.send(key=message.key.encode(), value=body)
+                EVENTS.labels(app_id, "routed").inc()
+
+    return app
+
+
+def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
+    """One region's feature app: its change topic in, feature vectors into its Redis."""
+    region = config.region(region_name)
+    app_id = config.pipeline.region_app_id(region_name)
+    app = _faust_app(app_id, config)
+    engine = FeatureEngine(config.entities)
+    partitions = config.pipeline.partitions
+    batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
+    changes = app.topic(config.pipeline.region_topic(region_name), partitions=partitions,
+                        key_serializer="raw", value_serializer="raw")
+    dead = app.topic(config.pipeline.dead_letter_topic, partitions=1,
+                     key_serializer="raw", value_serializer="raw")
+    # Keys are the raw message keys (``entity:id``); values JSON (the app's defaults).
+    state = app.Table("entities", partitions=partitions)
+    partitioner = DefaultPartitioner()
+    all_partitions = list(range(partitions))
+    holder: dict[str, AsyncFeatureWriter] = {}
+
+    async def writer() -> AsyncFeatureWriter:
+        if "w" not in holder:
+            holder["w"] = AsyncFeatureWriter.from_region(region, engine.schemas)
+            await holder["w"].publish_schemas()
+        return holder["w"]
+
+    @app.agent(changes, name="features")
+    async def features(stream: Any) -> None:
+        async for events in stream.take_events(batch_max, within):
+            BATCH.labels(app_id).observe(len(events))
+            ops: dict[bytes, Upsert | Delete] = {}
+            for event in events:
+                # Table writes go to the changelog partition of the event at hand.
+                stream._set_current_event(event)
+                try:
+                    message = json.loads(event.value)
+                    if message.get("op") == "t":
+                        _truncate(message, event.message.partition)
+                        continue
+                    entity = engine.engine(str(message["e"]))
+                    key = event.key
+                    new_state, changed = entity.apply(state.get(key), message)
+                    if changed and new_state is not None:
+                        state[key] = new_state
+                        ops[key] = entity.write_op(message["id"], new_state)
+                        EVENTS.labels(app_id, "applied").inc()
+                    else:
+                        EVENTS.labels(app_id, "duplicate").inc()
+                except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
+                    reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
+                    DEAD_LETTERS.labels(app_id, reason).inc()
+                    log.warning("dead-lettered %s@%s: %s", event.message.partition,
+                                event.message.offset, exc)
+                    await dead.send(key=event.key, value=event.value,
+                                    headers=_dead_letter_headers(reason, str(exc), event,
+                                                                 f"region {region_name}"))
+            stream._set_current_event(None)
+            if ops:
+                await _write(list(ops.values()))
+
+    def _truncate(message: dict[str, Any], partition: int) -> None:
+        for key in list(state.keys()):
+            if partitioner(key, all_partitions, all_partitions) != partition:
+                continue  # another partition's copy of the truncate handles it
+            current = state[key]
+            entity = engine.engine(key.decode().split(":", 1)[0])
+            if entity.truncate(current, message):
+                state[key] = current
+                pending_truncates[key] = entity.write_op(key.decode().split(":", 1)[1], current)
+
+    pending_truncates: dict[bytes, Upsert | Delete] = {}
+
+    async def _write(ops: list[Upsert | Delete]) -> None:
+        if pending_truncates:
+            ops = [*ops, *pending_truncates.values()]
+            pending_truncates.clear()
+        cache = await writer()
+        started = time.perf_counter()
+        applied = await cache.write(ops)
+        WRITE_SECONDS.labels(region_name).observe(time.perf_counter() - started)
+        for flag in applied:
+            WRITES.labels(region_name, str(flag).lower()).inc()
+        newest: dict[str, tuple[int, int]] = {}
+        for op in ops:
+            commit_us = int(float(op.commit_time) * 1_000_000)  # type: ignore[arg-type]
+            current = newest.get(op.entity, (0, 0))
+            newest[op.entity] = max(current, (commit_us, op.position.lsn))
+        now_us = int(time.time() * 1_000_000)
+        pipe = cache.client.pipeline(transaction=False)
+        for entity_name, (commit_us, lsn) in newest.items():
+            key = cache.core.layout.freshness_key(entity_name)
+            pipe.hset(key, mapping={"commit_us": commit_us, "write_us": now_us, "lsn": lsn})
+        await pipe.execute()
+
+    @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
+    async def flush_truncates() -> None:
+        if pending_truncates:
+            await _write([])
+
+    return app

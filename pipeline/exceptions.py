@@ -1,0 +1,31 @@
+"""Errors of the pipeline."""
+
+from __future__ import annotations
+
+from edgefeed.errors import EdgefeedError
+
+__all__ = ["FeatureConfigError", "PipelineError", "PoisonEventError"]
+
+
+class PipelineError(EdgefeedError):
+    """Base class of the pipeline's errors."""
+
+
+class FeatureConfigError(PipelineError, ValueError):
+    """The feature declarations do not fit the sources or the database (a table
+    not captured, a column that does not exist). Raised at start, before any
+    event is consumed. Not retryable: fix the settings."""
+
+
+class PoisonEventError(PipelineError, ValueError):
+    """An event cannot be processed (undecodable, no key, wrong types). It goes to
+    the dead-letter topic with this message as the reason; the agent carries on.
+    Not retryable: the event itself is wrong.
+
+    Attributes:
+        reason: Short machine-readable cause (``undecodable``, ``missing-key``, ...).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -1,0 +1,345 @@
+"""Feature computation: an entity's state, updated by change messages, and its vector.
+
+The state of one entity (kept in a Faust table, so a restarted worker recovers
+it from the changelog) holds the rows that feed it, each stamped with its
+source position. Applying a message is idempotent and order-insensitive: a row
+is replaced only by a later position, deleted rows stay as position-stamped
+tombstones until they leave every window, and the vector is a pure function of
+the state. Redelivered and reordered messages therefore leave the same state
+and the same vector.
+
+Windows end at the entity's newest event time (the largest event time among
+its rows), not at the wall clock: the vector is "as of the entity's latest
+change", and replays compute the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from edge_cache import Delete, Feature, FeatureSchema, Position, Upsert
+from pipeline.exceptions import PoisonEventError
+from pipeline.settings import AggregateFeature, EntitySettings
+
+__all__ = ["EntityEngine", "FeatureEngine", "event_time_ms"]
+
+# Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
+_LSN, _SEQ, _T, _DEL, _VALS = range(5)
+_U32 = 2**32 - 1
+
+
+def event_time_ms(value: Any, fallback_ms: int) -> int:
+    """A Debezium time value in milliseconds since the epoch.
+
+    ISO strings (``timestamptz`` as ZonedTimestamp), and integers in
+    microseconds (``timestamp`` as MicroTimestamp), milliseconds or seconds,
+    told apart by magnitude. None gives ``fallback_ms``.
+    """
+    if value is None:
+        return fallback_ms
+    if isinstance(value, bool):
+        raise PoisonEventError("wrong-type", f"time value {value!r} is not a time")
+    if isinstance(value, int | float):
+        magnitude = abs(value)
+        if magnitude >= 1e14:
+            return int(value // 1000)
+        if magnitude >= 1e11:
+            return int(value)
+        return int(value * 1000)
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise PoisonEventError("wrong-type", f"time value {value!r} is not ISO 8601") from None
+        return int(parsed.timestamp() * 1000)
+    raise PoisonEventError("wrong-type", f"time value {value!r} is not a time")
+
+
+def _coerce(value: Any, dtype: str, where: str) -> Any:
+    if value is None:
+        return None
+    try:
+        if dtype in ("float32", "float64"):
+            if isinstance(value, bool):
+                return float(value)
+            number = float(value)
+            if math.isnan(number):
+                return None
+            return number
+        if dtype in ("int32", "int64"):
+            if isinstance(value, bool):
+                return int(value)
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError(value)
+                return int(value)
+            return int(value)
+        if dtype == "bool":
+            if isinstance(value, bool):
+                return value
+            if value in (0, 1, "true", "false", "t", "f"):
+                return value in (1, "true", "t")
+            raise ValueError(value)
+    except (TypeError, ValueError):
+        pass
+    raise PoisonEventError("wrong-type", f"{where}: value {value!r} is not a valid {dtype}")
+
+
+@dataclass(frozen=True, slots=True)
+class _TableNeeds:
+    columns: tuple[str, ...]
+    time_column: str | None
+    retention_ms: int | None  # None: no window bounds it (latest/last_n only)
+    keep_last: int  # rows always kept (latest: 1, last_n: n)
+    dtypes: dict[str, str]  # column -> dtype it must convert to
+
+
+class EntityEngine:
+    """State updates and the vector of one entity type."""
+
+    def __init__(self, entity: EntitySettings) -> None:
+        self.settings = entity
+        features: list[Feature] = [Feature(f.name, f.dtype) for f in entity.latest]
+        for aggregate in entity.aggregates:
+            features.extend(Feature(n, aggregate.effective_dtype) for n in aggregate.feature_names)
+        self.schema = FeatureSchema(
+            entity.name, tuple(features), version=entity.version, personal=entity.personal
+        )
+        self.needs: dict[str, _TableNeeds] = {}
+        for table in entity.tables:
+            columns: set[str] = set()
+            dtypes: dict[str, str] = {}
+            windows: list[int] = []
+            keep_last = 0
+            for latest in entity.latest:
+                if latest.table == table:
+                    columns.add(latest.column)
+                    dtypes[latest.column] = latest.dtype
+                    keep_last = max(keep_last, 1)
+            for agg in entity.aggregates:
+                if agg.table != table:
+                    continue
+                columns.update(agg.where)
+                if agg.column:
+                    columns.add(agg.column)
+                    if agg.agg in ("sum", "mean", "min", "max"):
+                        dtypes[agg.column] = "float64"
+                    elif agg.agg in ("last_n", "top_k") and agg.effective_dtype != "bool":
+                        dtypes.setdefault(agg.column, agg.effective_dtype)
+                if agg.window is not None:
+                    windows.append(agg.window.size_ms)
+                if agg.agg == "last_n" and agg.n:
+                    keep_last = max(keep_last, agg.n)
+            time_column = entity.time_columns.get(table)
+            if time_column:
+                columns.add(time_column)
+            self.needs[table] = _TableNeeds(
+                tuple(sorted(columns)),
+                time_column,
+                max(windows) if windows else None,
+                keep_last,
+                dtypes,
+            )
+
+    # -- state updates -----------------------------------------------------------------------
+
+    def apply(
+        self, state: dict[str, Any] | None, message: Mapping[str, Any]
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """Apply one regional message.
+
+        Returns:
+            ``(new_state, changed)``. ``changed`` is False for duplicates and
+            messages older than what the state holds (nothing to write).
+
+        Raises:
+            PoisonEventError: a value has the wrong type for its feature.
+        """
+        state = state or {"rows": {}, "lsn": 0, "rev": 0, "ts": 0, "gone": None}
+        op = message["op"]
+        lsn, seq = int(message["lsn"]), int(message["seq"])
+        position = (lsn, seq)
+        gone = state.get("gone")
+        if op == "x":
+            if gone is not None and tuple(gone) >= position:
+                return state, False
+            return self._stamp(
+                {
+                    "rows": {},
+                    "lsn": state["lsn"],
+                    "rev": state["rev"],
+                    "ts": state["ts"],
+                    "gone": [lsn, seq],
+                },
+                lsn,
+                message["ts"],
+            ), True
+        if gone is not None and tuple(gone) >= position:
+            return state, False  # older than the entity's removal
+        table = message["t"]
+        needs = self.needs.get(table)
+        if needs is None:
+            return state, False
+        rows: dict[str, list[Any]] = state["rows"].setdefault(table, {})
+        pk = str(message["pk"])
+        current = rows.get(pk)
+        if current is not None and (current[_LSN], current[_SEQ]) >= position:
+            return state, False
+        if op == "d":
+            event_ms = current[_T] if current is not None else int(message["ts"])
+            rows[pk] = [lsn, seq, event_ms, 1, {}]
+        else:
+            row = message.get("row") or {}
+            values = {}
+            for column in needs.columns:
+                value = row.get(column)
+                dtype = needs.dtypes.get(column)
+                if dtype is not None:
+                    value = _coerce(value, dtype, f"{table}.{column}")
+                values[column] = value
+            event_ms = event_time_ms(
+                row.get(needs.time_column) if needs.time_column else None, int(message["ts"])
+            )
+            rows[pk] = [lsn, seq, event_ms, 0, values]
+        if gone is not None:
+            state["gone"] = None
+        self._prune(state)
+        return self._stamp(state, lsn, message["ts"]), True
+
+    def truncate(self, state: dict[str, Any], message: Mapping[str, Any]) -> bool:
+        """Forget every row of the truncated table; True if the state changed."""
+        rows = state["rows"].pop(message["t"], None)
+        if not rows:
+            return False
+        self._stamp(state, int(message["lsn"]), message["ts"])
+        return True
+
+    @staticmethod
+    def _stamp(state: dict[str, Any], lsn: int, ts: int) -> dict[str, Any]:
+        state["lsn"] = max(int(state["lsn"]), lsn)
+        state["rev"] = (int(state["rev"]) + 1) & _U32
+        state["ts"] = max(int(state["ts"]), int(ts))
+        return state
+
+    def _reference_ms(self, state: Mapping[str, Any]) -> int | None:
+        times = [entry[_T] for rows in state["rows"].values() for entry in rows.values()]
+        return max(times) if times else None
+
+    def _prune(self, state: dict[str, Any]) -> None:
+        ref = self._reference_ms(state)
+        if ref is None:
+            return
+        for table, rows in state["rows"].items():
+            needs = self.needs.get(table)
+            if needs is None or needs.retention_ms is None or len(rows) <= needs.keep_last:
+                continue
+            newest = sorted(
+                rows.items(), key=lambda kv: (kv[1][_T], kv[1][_LSN], kv[1][_SEQ]), reverse=True
+            )
+            keep = {pk for pk, _ in newest[: needs.keep_last]}
+            horizon = ref - needs.retention_ms
+            for pk, entry in newest[needs.keep_last :]:
+                if entry[_T] < horizon and pk not in keep:
+                    del rows[pk]
+
+    # -- the vector ---------------------------------------------------------------------------
+
+    def vector(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Feature name -> value (None: missing) for the entity's current state."""
+        values: dict[str, Any] = {}
+        ref = self._reference_ms(state)
+        for latest in self.settings.latest:
+            live = [e for e in state["rows"].get(latest.table, {}).values() if not e[_DEL]]
+            if live:
+                newest = max(live, key=lambda e: (e[_LSN], e[_SEQ]))
+                values[latest.name] = newest[_VALS].get(latest.column)
+            else:
+                values[latest.name] = None
+        for aggregate in self.settings.aggregates:
+            values.update(self._aggregate(aggregate, state, ref))
+        return values
+
+    def _aggregate(
+        self, agg: AggregateFeature, state: Mapping[str, Any], ref: int | None
+    ) -> dict[str, Any]:
+        entries = [
+            e
+            for e in state["rows"].get(agg.table, {}).values()
+            if not e[_DEL] and all(e[_VALS].get(k) == v for k, v in agg.where.items())
+        ]
+        if agg.window is not None and ref is not None:
+            size = agg.window.size_ms
+            if agg.window.type == "sliding":
+                entries = [e for e in entries if ref - size < e[_T] <= ref]
+            else:
+                start = ref - (ref % size)
+                entries = [e for e in entries if start <= e[_T] < start + size]
+        column = agg.column
+        names = agg.feature_names
+        if agg.agg == "count":
+            return {agg.name: len(entries)}
+        column = column or ""  # settings validation guarantees a column here
+        present = [e for e in entries if e[_VALS].get(column) is not None]
+        numbers = (
+            [float(e[_VALS][column]) for e in present]
+            if agg.agg in ("sum", "mean", "min", "max")
+            else []
+        )
+        if agg.agg == "sum":
+            return {agg.name: sum(numbers)}
+        if agg.agg == "mean":
+            return {agg.name: sum(numbers) / len(numbers) if numbers else None}
+        if agg.agg == "min":
+            return {agg.name: min(numbers) if numbers else None}
+        if agg.agg == "max":
+            return {agg.name: max(numbers) if numbers else None}
+        if agg.agg == "distinct_count":
+            return {agg.name: len({e[_VALS][column] for e in present})}
+        if agg.agg == "last_n":
+            ordered = sorted(present, key=lambda e: (e[_T], e[_LSN], e[_SEQ]), reverse=True)
+            picked = [e[_VALS][column] for e in ordered[: len(names)]]
+        else:  # top_k: most frequent first; ties: most recent, then smallest value
+            counts = Counter(e[_VALS][column] for e in present)
+            latest_t: dict[Any, tuple[int, int, int]] = {}
+            for e in present:
+                stamp = (e[_T], e[_LSN], e[_SEQ])
+                value = e[_VALS][column]
+                latest_t[value] = max(latest_t.get(value, stamp), stamp)
+            ranked = sorted(
+                counts, key=lambda v: (-counts[v], tuple(-x for x in latest_t[v]), str(v))
+            )
+            picked = ranked[: len(names)]
+        return {name: (picked[i] if i < len(picked) else None) for i, name in enumerate(names)}
+
+    def write_op(self, entity_id: Any, state: Mapping[str, Any]) -> Upsert | Delete:
+        """The cache write for the state: its vector, or a delete once the entity is gone."""
+        position = Position(int(state["lsn"]), int(state["rev"]))
+        commit_s = int(state["ts"]) / 1000.0
+        if state.get("gone") is not None:
+            return Delete(self.schema.entity, entity_id, position, commit_s)
+        return Upsert(self.schema.entity, entity_id, self.vector(state), position, commit_s)
+
+
+class FeatureEngine:
+    """The engines of every entity type."""
+
+    def __init__(self, entities: Iterable[EntitySettings]) -> None:
+        self.entities = {e.name: EntityEngine(e) for e in entities}
+
+    @property
+    def schemas(self) -> list[FeatureSchema]:
+        return [engine.schema for engine in self.entities.values()]
+
+    def engine(self, entity: str) -> EntityEngine:
+        try:
+            return self.entities[entity]
+        except KeyError:
+            raise PoisonEventError(
+                "unknown-entity",
+                f"entity type {entity!r} not declared; declared: {', '.join(self.entities)}",
+            ) from None

@@ -1,0 +1,328 @@
+"""Settings of the pipeline: topics, batching, and the features each entity gets.
+
+Features are declared per entity type in edgefeed.yaml::
+
+    pipeline:
+      partitions: 4
+    entities:
+      - name: user
+        personal: true              # lives only in its home region's cache
+        tables:                     # which tables feed it, and the id column in each
+          public.users: user_id
+          public.events: user_id
+        time_columns: {public.events: occurred_at}
+        latest:
+          - {name: country_code, table: public.users, column: country_id, dtype: int64}
+        aggregates:
+          - {name: views_30m, table: public.events, agg: count, where: {kind: view},
+             window: {size: 30m}}
+          - {name: top_category_1h, table: public.events, agg: top_k, column: category_id,
+             n: 3, window: {size: 1h}}
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "AGGREGATES",
+    "AggregateFeature",
+    "AggregateKind",
+    "EntitySettings",
+    "KafkaSettings",
+    "LatestFeature",
+    "PipelineSettings",
+    "WindowSettings",
+    "parse_duration_ms",
+]
+
+AggregateKind = Literal["count", "sum", "mean", "min", "max", "distinct_count", "last_n", "top_k"]
+AGGREGATES: tuple[str, ...] = (
+    "count",
+    "sum",
+    "mean",
+    "min",
+    "max",
+    "distinct_count",
+    "last_n",
+    "top_k",
+)
+FeatureDtype = Literal["float32", "float64", "int32", "int64", "bool"]
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_duration_ms(value: str | int | float) -> int:
+    """``"30m"`` -> 1_800_000. Numbers are seconds.
+
+    Raises:
+        ValueError: not a duration; the message shows the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"duration {value!r} must be like 500ms, 30s, 30m, 1h or 7d")
+    if isinstance(value, int | float):
+        ms = int(value * 1000)
+    else:
+        match = _DURATION.match(value.strip())
+        if not match:
+            raise ValueError(f"duration {value!r} must be like 500ms, 30s, 30m, 1h or 7d")
+        ms = int(float(match.group(1)) * _UNIT_MS[match.group(2)])
+    if ms <= 0:
+        raise ValueError(f"duration {value!r} must be positive")
+    return ms
+
+
+def _qualified(table: str) -> str:
+    return table if "." in table else f"public.{table}"
+
+
+class WindowSettings(BaseModel):
+    """A time window over an entity's change events.
+
+    Attributes:
+        size: Window length (``30m``, ``1h``; numbers are seconds).
+        type: ``sliding``: the last ``size`` before the entity's newest event;
+            ``tumbling``: the fixed bucket of length ``size`` that holds it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: str | int | float
+    type: Literal["sliding", "tumbling"] = "sliding"
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: str | int | float) -> str | int | float:
+        parse_duration_ms(value)
+        return value
+
+    @property
+    def size_ms(self) -> int:
+        return parse_duration_ms(self.size)
+
+
+class LatestFeature(BaseModel):
+    """The latest value of a column of the entity's own row."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    table: str
+    column: str
+    dtype: FeatureDtype = "float32"
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, value: str) -> str:
+        return _qualified(value)
+
+
+class AggregateFeature(BaseModel):
+    """An aggregate over the rows of a table that belong to the entity.
+
+    Attributes:
+        agg: count, sum, mean, min, max, distinct_count, last_n (the ``n``
+            newest values, newest first) or top_k (the ``n`` most frequent
+            values, most frequent first).
+        column: The aggregated column (not for ``count``).
+        where: Only rows whose columns equal these values count.
+        window: The time window (required, except for ``last_n``).
+        n: For last_n and top_k: how many values (one feature each,
+            named ``<name>.1`` .. ``<name>.<n>``).
+        dtype: Stored type (default: int64 for counts, ids and last_n/top_k,
+            float32 otherwise).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    table: str
+    agg: AggregateKind
+    column: str | None = None
+    where: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    window: WindowSettings | None = None
+    n: int | None = Field(default=None, ge=1, le=64)
+    dtype: FeatureDtype | None = None
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, value: str) -> str:
+        return _qualified(value)
+
+    @model_validator(mode="after")
+    def _shape(self) -> AggregateFeature:
+        if self.agg != "count" and not self.column:
+            raise ValueError(f"aggregate {self.name!r} ({self.agg}) needs a column")
+        if self.agg in ("last_n", "top_k") and self.n is None:
+            raise ValueError(f"aggregate {self.name!r} ({self.agg}) needs n (how many values)")
+        if self.agg not in ("last_n", "top_k") and self.n is not None:
+            raise ValueError(f"aggregate {self.name!r} ({self.agg}) takes no n")
+        if self.window is None and self.agg != "last_n":
+            raise ValueError(
+                f"aggregate {self.name!r} ({self.agg}) needs a window, e.g. window: {{size: 30m}}: "
+                "an unbounded aggregate would keep every event forever"
+            )
+        return self
+
+    @property
+    def effective_dtype(self) -> FeatureDtype:
+        if self.dtype is not None:
+            return self.dtype
+        if self.agg in ("count", "distinct_count", "last_n", "top_k"):
+            return "int64"
+        return "float32"
+
+    @property
+    def feature_names(self) -> list[str]:
+        if self.agg in ("last_n", "top_k") and self.n is not None:
+            return [f"{self.name}.{i}" for i in range(1, self.n + 1)]
+        return [self.name]
+
+
+class EntitySettings(BaseModel):
+    """One entity type and its feature vector.
+
+    Attributes:
+        name: Entity type (``user``, ``item``).
+        personal: True when its data is personal: the lookup client never reads
+            it from a region outside its residency zone.
+        version: Schema version of the vector (bump when the features change).
+        tables: Table -> the column holding this entity's id in that table.
+        time_columns: Table -> the column giving a row's event time (default:
+            the source commit time).
+        latest: Latest values of columns of the entity's own row.
+        aggregates: Windowed aggregates over the entity's rows.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    personal: bool = False
+    version: int = Field(default=1, ge=1, le=65535)
+    tables: dict[str, str] = Field(min_length=1)
+    time_columns: dict[str, str] = Field(default_factory=dict)
+    latest: list[LatestFeature] = Field(default_factory=list)
+    aggregates: list[AggregateFeature] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"entity name {value!r} must be letters, digits and underscores")
+        return value
+
+    @field_validator("tables", "time_columns")
+    @classmethod
+    def _qualify(cls, value: dict[str, str]) -> dict[str, str]:
+        return {_qualified(table): column for table, column in value.items()}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EntitySettings:
+        if not self.latest and not self.aggregates:
+            raise ValueError(f"entity {self.name!r} declares no features (latest or aggregates)")
+        names: list[str] = [f.name for f in self.latest]
+        for aggregate in self.aggregates:
+            names.extend(aggregate.feature_names)
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"entity {self.name!r}: feature(s) {', '.join(dupes)} declared twice")
+        known = sorted(self.tables)
+        declared: list[LatestFeature | AggregateFeature] = [*self.latest, *self.aggregates]
+        for feature in declared:
+            if feature.table not in self.tables:
+                raise ValueError(
+                    f"entity {self.name!r}: feature {feature.name!r} reads table "
+                    f"{feature.table}, which is not in its tables: {', '.join(known)}"
+                )
+        for table in self.time_columns:
+            if table not in self.tables:
+                raise ValueError(
+                    f"entity {self.name!r}: time_columns names {table}, not in its tables: "
+                    f"{', '.join(known)}"
+                )
+        return self
+
+    @property
+    def feature_names(self) -> list[str]:
+        names = [f.name for f in self.latest]
+        for aggregate in self.aggregates:
+            names.extend(aggregate.feature_names)
+        return names
+
+
+class PipelineSettings(BaseModel):
+    """Topics and batching of the Faust pipeline.
+
+    Attributes:
+        app_prefix: Prefix of the Faust app ids and consumer groups
+            (``<prefix>-router``, ``<prefix>-region-<region>``).
+        region_topic_prefix: Regional change topics are ``<prefix>.<region>``.
+        dead_letter_topic: Where undecodable or invalid events go, with the reason.
+        partitions: Partitions of each regional change topic; a region scales to
+            this many worker processes.
+        replication_factor: Replication factor of the topics the pipeline creates.
+        batch_max: Most events a worker handles (and writes to Redis) at once.
+        batch_within_ms: Longest wait to fill a batch; bounds the added latency.
+        commit_interval_s: How often consumed offsets are committed.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    app_prefix: str = "edgefeed"
+    region_topic_prefix: str = "edgefeed.region"
+    dead_letter_topic: str = "edgefeed.deadletter"
+    partitions: int = Field(default=4, ge=1, le=1024)
+    replication_factor: int = Field(default=1, ge=1)
+    batch_max: int = Field(default=500, ge=1, le=100_000)
+    batch_within_ms: int = Field(default=20, ge=1, le=10_000)
+    commit_interval_s: float = Field(default=1.0, gt=0)
+
+    def region_topic(self, region: str) -> str:
+        return f"{self.region_topic_prefix}.{region}"
+
+    @property
+    def router_app_id(self) -> str:
+        return f"{self.app_prefix}-router"
+
+    def region_app_id(self, region: str) -> str:
+        return f"{self.app_prefix}-region-{region}"
+
+
+class KafkaSettings(BaseModel):
+    """The Kafka cluster the pipeline reads from and writes to.
+
+    Attributes:
+        bootstrap_servers: ``host:port`` of one or more brokers.
+        session_timeout_ms: Consumer group session timeout. Tansu (the local
+            broker) answers a new group's join after about half of it, so keep
+            it at 6-10 s in development.
+        fetch_max_wait_ms: How long a fetch waits for data. Keep it short
+            (10-50 ms): the freshness budget is counted in milliseconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap_servers: list[str] = Field(default_factory=lambda: ["127.0.0.1:9092"], min_length=1)
+    client_id: str = "edgefeed"
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
+
+    @field_validator("bootstrap_servers", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        for server in value:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"bootstrap server {server!r} must be host:port")
+        return value

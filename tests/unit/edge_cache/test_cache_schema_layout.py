@@ -1,0 +1,199 @@
+"""Schemas, keys and the value format, without Redis."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edge_cache import (
+    CorruptValueError,
+    Feature,
+    FeatureSchema,
+    InvalidValueError,
+    KeyLayout,
+    Position,
+    SchemaError,
+    SchemaVersionError,
+)
+from edge_cache.layout import HEADER_SIZE, RecordLayout, RecordReader, encode_tombstone, to_micros
+from edge_cache.writer import WRITE_SCRIPT
+
+MIXED = FeatureSchema(
+    "item",
+    (
+        Feature("a", "float32"),
+        Feature("b", "float32"),
+        Feature("n", "int64"),
+        Feature("k", "int32"),
+        Feature("ok", "bool"),
+        Feature("x", "float64"),
+        Feature("c", "float32"),
+    ),
+)
+
+
+def test_schema_validation_messages() -> None:
+    with pytest.raises(SchemaError, match="appears twice"):
+        FeatureSchema.of("user", ["a", "a"])
+    with pytest.raises(SchemaError, match="dtype 'float16'; supported: float32, float64"):
+        Feature("a", "float16")  # type: ignore[arg-type]
+    with pytest.raises(SchemaError, match="feature name 'a b' is invalid"):
+        Feature("a b")
+    with pytest.raises(SchemaError, match="at least one feature"):
+        FeatureSchema("user", ())
+    with pytest.raises(SchemaError, match="version 0"):
+        FeatureSchema.of("user", ["a"], version=0)
+    assert issubclass(SchemaError, ValueError)
+
+
+def test_evolve_is_append_only_and_fingerprints_differ() -> None:
+    v1 = FeatureSchema.of("user", ["a", "b"], personal=True)
+    v2 = v1.evolve(Feature("c", "int32"))
+    assert v2.version == 2 and v2.names == ("a", "b", "c") and v2.personal
+    assert v1.is_prefix_of(v2) and not v2.is_prefix_of(v1)
+    assert v1.fingerprint != v2.fingerprint
+    assert FeatureSchema.of("user", ["b", "a"]).fingerprint != v1.fingerprint
+    with pytest.raises(SchemaError):
+        v1.evolve()
+    assert FeatureSchema.from_json(v2.to_json()) == v2
+    with pytest.raises(SchemaError, match="not a feature schema"):
+        FeatureSchema.from_json(json.dumps({"entity": "user"}))
+
+
+def test_keys_use_the_entity_as_hash_tag() -> None:
+    layout = KeyLayout()
+    assert layout.key("user", 42) == "ef:{user:42}"
+    assert layout.keys("user", ["a", 7]) == ["ef:{user:a}", "ef:{user:7}"]
+    assert KeyLayout("prod").schema_key("user", 3) == "prod:schema:user:3"
+    with pytest.raises(InvalidValueError, match="non-empty str or an int"):
+        layout.key("user", "")
+    with pytest.raises(InvalidValueError):
+        layout.key("user", True)
+    with pytest.raises(SchemaError):
+        KeyLayout("a{b")
+
+
+def test_position_order_and_pg_lsn() -> None:
+    assert Position.from_pg_lsn("16/B374D848", 3) == Position((0x16 << 32) | 0xB374D848, 3)
+    assert Position(5, 9) < Position(6, 0) < Position(6, 1)
+    assert Position(1, 2).pack() == bytes.fromhex("0000000000000001") + bytes.fromhex("00000002")
+    with pytest.raises(InvalidValueError, match="not a PostgreSQL LSN"):
+        Position.from_pg_lsn("nope")
+    with pytest.raises(InvalidValueError, match=r"0\.\.2"):
+        Position(-1)
+
+
+def test_value_layout_matches_the_documented_offsets() -> None:
+    record = RecordLayout(MIXED)
+    value = record.encode({"a": 1.0, "ok": True}, Position(0x0102030405060708, 9), 11, 22)
+    assert len(value) == record.itemsize == HEADER_SIZE + 4 + 4 + 8 + 4 + 1 + 8 + 4 + 1
+    assert value[:2] == b"EF" and value[2] == 1 and value[3] == 0
+    assert int.from_bytes(value[4:6], "little") == 1
+    assert int.from_bytes(value[6:8], "little") == 7
+    assert int.from_bytes(value[8:12], "little") == MIXED.fingerprint
+    assert value[12:24] == Position(0x0102030405060708, 9).pack()  # what the Lua script reads
+    assert int.from_bytes(value[24:32], "little") == 11
+    assert int.from_bytes(value[32:40], "little") == 22
+    assert value[-1] == 0b00010001  # features 0 (a) and 4 (ok) are present
+    # the script reads exactly that span
+    assert "string.sub(old, 13, 24)" in WRITE_SCRIPT
+
+
+def test_encode_rejects_bad_values() -> None:
+    record = RecordLayout(MIXED)
+    p = Position(1)
+    with pytest.raises(InvalidValueError, match=r"'zz' is not in schema 'item' v1; valid: a, b, n"):
+        record.encode({"zz": 1.0}, p, 0, 0)
+    with pytest.raises(InvalidValueError, match="out of int32 range"):
+        record.encode({"k": 2**31}, p, 0, 0)
+    with pytest.raises(InvalidValueError, match=r"is int64; got 1\.5"):
+        record.encode({"n": 1.5}, p, 0, 0)
+    with pytest.raises(InvalidValueError, match="is bool; got 1"):
+        record.encode({"ok": 1}, p, 0, 0)
+    with pytest.raises(InvalidValueError, match="got the bool"):
+        record.encode({"a": True}, p, 0, 0)
+    with pytest.raises(InvalidValueError, match="out of float32 range"):
+        record.encode({"a": 1e39}, p, 0, 0)
+    with pytest.raises(InvalidValueError, match="no time zone"):
+        from datetime import datetime
+
+        to_micros(datetime(2024, 1, 1))
+
+
+def test_reader_decodes_own_values_and_tombstones() -> None:
+    reader = RecordReader(MIXED, KeyLayout())
+    record = RecordLayout(MIXED)
+    values = [
+        record.encode({"a": 1.5, "n": -(2**63), "x": 0.1}, Position(1), 5, 6),
+        None,
+        encode_tombstone(Position(2), 5, 6),
+        record.encode({"c": -2.0}, Position(1), 7, 8),
+    ]
+    decoded = reader.decode(values, [1, 2, 3, 4])
+    assert decoded.rows.tolist() == [0, 3]
+    assert decoded.deleted == (2,)
+    assert decoded.records["r1"][:, 0].tolist() == [-(2**63), 0]  # the int64 run
+    assert decoded.records["commit_us"].tolist() == [5, 7]
+    assert not decoded.complete and not decoded.all_valid
+
+
+def test_reader_refuses_foreign_bytes() -> None:
+    reader = RecordReader(MIXED, KeyLayout())
+    with pytest.raises(CorruptValueError, match=r"'ef:\{item:1\}' is 3 bytes"):
+        reader.decode([b"abc"], [1])
+    with pytest.raises(CorruptValueError, match="not an edgefeed value"):
+        reader.decode([b"X" * 60], [1])
+
+
+def _translate(writer: FeatureSchema, reader: FeatureSchema, values: dict[str, object]) -> object:
+    encoded = RecordLayout(writer).encode(values, Position(1), 1, 2)
+    rdr = RecordReader(reader, KeyLayout())
+    first = rdr.decode([encoded], ["e"])
+    assert first.needs == frozenset({(writer.version, writer.fingerprint)})
+    rdr.learn(writer.version, writer.fingerprint, writer.to_json())
+    return rdr.decode([encoded], ["e"])
+
+
+def test_versions_translate_both_ways() -> None:
+    from edge_cache.result import Projection, build_vectors
+
+    v1 = FeatureSchema.of("u", {"a": "float32", "n": "int32", "f": "bool"})
+    v2 = v1.evolve(*[Feature(f"g{i}", "float64") for i in range(9)])
+    newer = _translate(v2, v1, {"a": 2.5, "f": True, "g8": 1.0})
+    older = _translate(v1, v2, {"a": 2.5, "n": 3})
+    for schema, decoded, expected in (
+        (v1, newer, {"a": 2.5, "n": None, "f": True}),
+        (v2, older, {"a": 2.5, "n": 3, "f": None, **{f"g{i}": None for i in range(9)}}),
+    ):
+        projection = Projection(RecordLayout(schema), schema.names, np.arange(len(schema.names)))
+        result = build_vectors(
+            entity="u",
+            ids=("e",),
+            region="r",
+            projection=projection,
+            decoded=decoded,  # type: ignore[arg-type]
+            now_us=0,
+            max_staleness_us=None,
+            near_hits=0,
+        )
+        assert result.to_dicts() == [expected]
+
+
+def test_reader_refusals_name_the_problem() -> None:
+    v1 = FeatureSchema.of("u", ["a", "b"])
+    swapped = FeatureSchema.of("u", ["b", "a"], version=2)
+    value = RecordLayout(swapped).encode({"a": 1.0}, Position(1), 0, 0)
+    reader = RecordReader(v1, KeyLayout())
+    reader.learn(2, swapped.fingerprint, swapped.to_json())
+    with pytest.raises(SchemaVersionError, match="not an append-only evolution"):
+        reader.decode([value], ["e"])
+    reader.learn(2, swapped.fingerprint, None)
+    with pytest.raises(SchemaVersionError, match="not published"):
+        reader.decode([value], ["e"])
+    reader.learn(
+        2, swapped.fingerprint, FeatureSchema.of("u", ["a", "b", "c"], version=2).to_json()
+    )
+    with pytest.raises(SchemaVersionError, match="two different schemas were deployed"):
+        reader.decode([value], ["e"])
