@@ -8,7 +8,6 @@ offsets moved, and a one-shot ``edgefeed lag`` takes a few observations first.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -56,7 +55,6 @@ __all__ = [
 ROUTER_GROUP = "edgefeed-router"
 REGION_GROUP_PREFIX = "edgefeed-region-"
 DEADLETTER_TOPIC = "edgefeed.deadletter"
-_REGION_GROUP = re.compile(r"^edgefeed-region-(?P<region>[a-z][a-z0-9-]*)$")
 
 
 def region_group(region: str) -> str:
@@ -91,6 +89,9 @@ class MonitorConfig:
         connect_url: Kafka Connect REST URL; None skips the connectors.
         groups: Only these consumer groups; empty: the router's, every
             region's and any other ``edgefeed-*`` group.
+        deadletter_topic: The pipeline's dead-letter topic.
+        router_group: The router's consumer group (its Faust app id).
+        region_group_prefix: A region's group is this prefix plus its name.
         window: Observations per partition the status rules look at.
         min_interval_s: Observations closer than this to the previous one
             replace it (Burrow's ``min-distance``), so rapid rounds do not
@@ -108,6 +109,8 @@ class MonitorConfig:
     connect_url: str | None = None
     groups: tuple[str, ...] = ()
     deadletter_topic: str = DEADLETTER_TOPIC
+    router_group: str = ROUTER_GROUP
+    region_group_prefix: str = REGION_GROUP_PREFIX
     window: int = 10
     min_interval_s: float = 1.0
     freshness_budget_s: float = 5.0
@@ -134,13 +137,16 @@ class MonitorConfig:
     def selects(self, group: str) -> bool:
         if self.groups:
             return group in self.groups
-        return group.startswith("edgefeed-")
+        return group.startswith(("edgefeed-", self.router_group, self.region_group_prefix))
 
     @property
     def expected_groups(self) -> tuple[str, ...]:
         if self.groups:
             return self.groups
-        return (ROUTER_GROUP, *(region_group(r.name) for r in self.regions))
+        return (
+            self.router_group,
+            *(f"{self.region_group_prefix}{r.name}" for r in self.regions),
+        )
 
 
 class Monitor:
@@ -246,7 +252,7 @@ class Monitor:
             offsets = found.get(name)
             if offsets is None:
                 groups.append(
-                    GroupReport(name, _region_of(name), "Dead", 0, "NOTFOUND", "WARN", ())
+                    GroupReport(name, self._region_of(name), "Dead", 0, "NOTFOUND", "WARN", ())
                 )
                 continue
             partitions = []
@@ -289,7 +295,7 @@ class Monitor:
             groups.append(
                 GroupReport(
                     group=name,
-                    region=_region_of(name),
+                    region=self._region_of(name),
                     state=offsets.state,
                     members=offsets.members,
                     status=status,
@@ -336,7 +342,7 @@ class Monitor:
     def _region_report(
         self, target: RegionTarget, result: object, kafka: KafkaReport, now: float
     ) -> RegionReport:
-        pending = _pending(kafka, target.name)
+        pending = self._pending(kafka, target.name)
         if isinstance(result, BaseException):
             if not isinstance(result, SourceUnavailableError):
                 raise result
@@ -451,6 +457,16 @@ class Monitor:
             reports.append(ConnectorReport(name, status.state, tasks, status.failure(), severity))
         return tuple(reports), None
 
+    def _region_of(self, group: str) -> str | None:
+        prefix = self.config.region_group_prefix
+        return group[len(prefix) :] or None if group.startswith(prefix) else None
+
+    def _pending(self, kafka: KafkaReport, region: str) -> int | None:
+        if kafka.error:
+            return None
+        mine = (self.config.router_group, f"{self.config.region_group_prefix}{region}")
+        return sum(g.lag for g in kafka.groups if g.group in mine)
+
     @staticmethod
     def _problems(
         kafka: KafkaReport,
@@ -484,21 +500,6 @@ class Monitor:
                 f"{kafka.deadletters_new} new dead letter(s) on {kafka.deadletter_topic}"
             )
         return tuple(problems)
-
-
-def _region_of(group: str) -> str | None:
-    match = _REGION_GROUP.match(group)
-    return match.group("region") if match else None
-
-
-def _pending(kafka: KafkaReport, region: str) -> int | None:
-    if kafka.error:
-        return None
-    total = 0
-    for g in kafka.groups:
-        if g.group in (ROUTER_GROUP, region_group(region)):
-            total += g.lag
-    return total
 
 
 async def _nothing() -> None:
