@@ -205,7 +205,8 @@ class ReportCollector(Collector):
         )
         for g in kafka.groups:
             region = g.region or ""
-            members.add_metric([g.group], g.members)
+            if g.members is not None:
+                members.add_metric([g.group], g.members)
             status.add_metric([g.group, region, g.status], STATUS_CODES[g.status])
             max_lag_s.add_metric([g.group, region], g.lag_seconds)
             sums: dict[str, tuple[int, int]] = {}

@@ -25,11 +25,11 @@ TopicPartitionKey = tuple[str, int]
 
 @dataclass(frozen=True, slots=True)
 class GroupOffsets:
-    """A group's coordinator state, live members and committed offsets."""
+    """A group's coordinator state, live members (None: unknown) and committed offsets."""
 
     group: str
     state: str
-    members: int
+    members: int | None
     committed: dict[TopicPartitionKey, int]
 
 
@@ -117,6 +117,7 @@ async def _read(
     fetch_deadline_s: float,
 ) -> KafkaSnapshot:
     from aiokafka import TopicPartition
+    from aiokafka.errors import KafkaError
 
     group_ids = sorted(
         {str(entry[0]) for entry in await admin.list_consumer_groups() if select_group(entry[0])}
@@ -135,12 +136,17 @@ async def _read(
     end = {(tp.topic, tp.partition): int(v) for tp, v in end_raw.items()}
     oldest = {(tp.topic, tp.partition): int(v) for tp, v in oldest_raw.items()}
 
-    states: dict[str, tuple[str, int]] = {}
-    if group_ids:
-        for response in await admin.describe_consumer_groups(group_ids):
-            for entry in response.groups:
-                # (error_code, group, state, protocol_type, protocol, members, ...)
-                states[str(entry[1])] = (str(entry[2]), len(entry[5]))
+    # One group per DescribeGroups request: some Kafka-protocol brokers (Tansu)
+    # answer a multi-group request with a response clients cannot decode.
+    states: dict[str, tuple[str, int | None]] = {}
+    for group_id in group_ids:
+        try:
+            response = (await admin.describe_consumer_groups([group_id]))[0]
+        except KafkaError:
+            continue  # membership unknown: the status rules then assume a live member
+        for entry in response.groups:
+            # (error_code, group, state, protocol_type, protocol, members, ...)
+            states[str(entry[1])] = (str(entry[2]), len(entry[5]))
 
     groups: list[GroupOffsets] = []
     for group_id in group_ids:
@@ -150,7 +156,7 @@ async def _read(
             for tp, meta in offsets.items():
                 if meta.offset >= 0:
                     committed[(tp.topic, tp.partition)] = int(meta.offset)
-        state, members = states.get(group_id, ("Unknown", 0))
+        state, members = states.get(group_id, ("Unknown", None))
         groups.append(GroupOffsets(group_id, state, members, committed))
 
     wanted: dict[TopicPartitionKey, set[int]] = {}

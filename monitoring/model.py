@@ -57,7 +57,7 @@ class GroupReport:
         group: The group id.
         region: The region of a regional group (``edgefeed-region-<region>``).
         state: The coordinator's group state (Stable, Empty, ...).
-        members: Live members.
+        members: Live members (None when the coordinator could not say).
         status: Worst partition status (OK, WARN, STOP, STALL, REWIND, NOTFOUND).
         severity: Burrow's group status: OK, WARN or ERR.
         consume_rate: Messages per second committed over the window, per topic.
@@ -66,7 +66,7 @@ class GroupReport:
     group: str
     region: str | None
     state: str
-    members: int
+    members: int | None
     status: PartitionStatus
     severity: Severity
     partitions: tuple[PartitionLag, ...]

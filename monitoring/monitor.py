@@ -268,7 +268,7 @@ class Monitor:
                 status, reason = evaluate_partition(
                     window,
                     current_lag=lag,
-                    has_members=offsets.members > 0,
+                    has_members=offsets.members is None or offsets.members > 0,
                     min_span_s=self.config.min_interval_s,
                 )
                 ts = snap.next_timestamp_ms.get((name, topic_name, partition))

@@ -124,7 +124,8 @@ def render(report: Report) -> Group:
     for column in ("group", "status", "topic", "part", "committed", "end", "lag", "lag s"):
         groups.add_column(
             column,
-            justify="right" if column in ("part", "committed", "end", "lag", "lag s") else "left",
+            overflow="fold",
+            justify=("right" if column in ("part", "committed", "end", "lag", "lag s") else "left"),
         )
     for g in report.kafka.groups:
         if not g.partitions:
@@ -151,7 +152,7 @@ def render(report: Report) -> Group:
         "write delay",
         "sample oldest",
     ):
-        regions.add_column(column)
+        regions.add_column(column, overflow="fold")
     for r in report.regions:
         head: list[str | Text] = [
             r.region,
@@ -171,7 +172,7 @@ def render(report: Report) -> Group:
             )
     cdc = Table(title="CDC source", title_justify="left")
     for column in ("kind", "name", "state", "detail"):
-        cdc.add_column(column)
+        cdc.add_column(column, overflow="fold")
     for s in report.slots:
         cdc.add_row(
             "slot",
