@@ -54,6 +54,7 @@ __all__ = [
 
 ROUTER_GROUP = "edgefeed-router"
 REGION_GROUP_PREFIX = "edgefeed-region-"
+REGION_TOPIC_PREFIX = "edgefeed.region"
 DEADLETTER_TOPIC = "edgefeed.deadletter"
 
 
@@ -92,6 +93,7 @@ class MonitorConfig:
         deadletter_topic: The pipeline's dead-letter topic.
         router_group: The router's consumer group (its Faust app id).
         region_group_prefix: A region's group is this prefix plus its name.
+        region_topic_prefix: A region's change topic is ``<prefix>.<region>``.
         window: Observations per partition the status rules look at.
         min_interval_s: Observations closer than this to the previous one
             replace it (Burrow's ``min-distance``), so rapid rounds do not
@@ -111,6 +113,7 @@ class MonitorConfig:
     deadletter_topic: str = DEADLETTER_TOPIC
     router_group: str = ROUTER_GROUP
     region_group_prefix: str = REGION_GROUP_PREFIX
+    region_topic_prefix: str = REGION_TOPIC_PREFIX
     window: int = 10
     min_interval_s: float = 1.0
     freshness_budget_s: float = 5.0
@@ -462,10 +465,29 @@ class Monitor:
         return group[len(prefix) :] or None if group.startswith(prefix) else None
 
     def _pending(self, kafka: KafkaReport, region: str) -> int | None:
+        """Messages waiting for ``region``: the router's lag, plus the region's topic
+        beyond its group's committed offsets (all of it where the group never committed)."""
         if kafka.error:
             return None
-        mine = (self.config.router_group, f"{self.config.region_group_prefix}{region}")
-        return sum(g.lag for g in kafka.groups if g.group in mine)
+        router = next((g for g in kafka.groups if g.group == self.config.router_group), None)
+        total = router.lag if router else 0
+        topic_name = f"{self.config.region_topic_prefix}.{region}"
+        topic = next((t for t in kafka.topics if t.topic == topic_name), None)
+        if topic is None:
+            return total
+        group_name = f"{self.config.region_group_prefix}{region}"
+        group = next((g for g in kafka.groups if g.group == group_name), None)
+        committed = {
+            p.partition: p.lag or 0
+            for p in (group.partitions if group else ())
+            if p.topic == topic_name
+        }
+        for partition, end in topic.end.items():
+            if partition in committed:
+                total += committed[partition]
+            else:
+                total += max(end - topic.oldest.get(partition, 0), 0)
+        return total
 
     @staticmethod
     def _problems(

@@ -86,6 +86,7 @@ def build_config(
         deadletter_topic=settings.pipeline.dead_letter_topic,
         router_group=settings.pipeline.router_app_id,
         region_group_prefix=settings.pipeline.region_app_id(""),
+        region_topic_prefix=settings.pipeline.region_topic_prefix,
         window=window,
         min_interval_s=min_interval_s,
         freshness_budget_s=freshness_budget_s,

@@ -12,17 +12,15 @@ from pathlib import Path
 
 import psycopg
 import pytest
-import redis
 import requests
-from conftest import drop_slot, read_topic, unique_name
+from conftest import drop_slot, unique_name
 from prometheus_client.parser import text_string_to_metric_families
 
-from connectors import deploy
 from connectors.client import ConnectClient
 from connectors.config import render_connector_config
 from connectors.settings import SourceSettings, TableSettings
 from edgefeed.devstack import DevStack
-from monitoring import Monitor, MonitorConfig, RegionTarget, Report, SourceTarget, serve
+from monitoring import Monitor, MonitorConfig, Report, SourceTarget, serve
 
 pytestmark = pytest.mark.integration
 
@@ -160,64 +158,6 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
     finally:
         await consumer.stop()
         await producer.stop()
-
-
-async def test_freshness_per_region_reflects_a_postgres_write(
-    devstack: DevStack,
-    pg_conn: psycopg.Connection[tuple[object, ...]],
-    make_table: Callable[[str, str], str],
-    region_redis: dict[str, redis.Redis],
-    connect_client: ConnectClient,
-    cleanup_source: Callable[[SourceSettings], None],
-) -> None:
-    """A row written in PostgreSQL travels through Debezium; the cache writer's contract
-    (freshness hash + vector header with the source commit time) is applied for the
-    region, and the monitor's freshness for that region is counted from that commit."""
-    s = devstack.settings
-    table = make_table("prefs", "id bigint PRIMARY KEY, score int")
-    source = SourceSettings(
-        name=unique_name("fresh").lower(),
-        tables=[TableSettings(name=table, key=["id"])],
-        snapshot_mode="no_data",
-    )
-    cleanup_source(source)
-    deploy.apply(connect_client, s.database, [source], wait_s=90)
-    pg_conn.execute(f"INSERT INTO {table} (id, score) VALUES (7, 42)")
-    records = await read_topic(s.kafka.bootstrap_servers, source.topic_for(table), count=1)
-    event = json.loads(records[0][1] or b"{}")
-    commit_us = int(event["source"]["ts_ms"]) * 1000
-    lsn = int(event["source"]["lsn"])
-
-    # What the pipeline writes for region eu-west after its batch (edge_cache's contract).
-    write_us = int(time.time() * 1e6)
-    header = bytearray(40)
-    header[0:2] = b"EF"
-    header[2] = 1
-    header[24:32] = commit_us.to_bytes(8, "little", signed=True)
-    header[32:40] = write_us.to_bytes(8, "little", signed=True)
-    eu = region_redis["eu-west"]
-    eu.set(f"ef:{{{table}:7}}", bytes(header) + b"\x00" * 8)
-    eu.hset(
-        f"ef:freshness:{table}",
-        mapping={"commit_us": commit_us, "write_us": write_us, "lsn": lsn},
-    )
-
-    regions = tuple(RegionTarget(r.name, r.redis_url) for r in s.regions)
-    monitor = Monitor(config_for(devstack, regions=regions, groups=("none",)))
-    report = await monitor.collect()
-    eu_report = report.region("eu-west")
-    assert eu_report is not None
-    entity = next(e for e in eu_report.entities if e.entity == table)
-    expected = report.at - commit_us / 1e6
-    assert entity.freshness_seconds is not None
-    assert abs(entity.freshness_seconds - expected) < 0.5
-    assert entity.write_delay_seconds == pytest.approx((write_us - commit_us) / 1e6)
-    assert entity.lsn == str(lsn)
-    assert entity.sampled == 1
-    assert entity.sample_oldest_seconds == pytest.approx(entity.freshness_seconds, abs=0.5)
-    # The other regions got nothing: no data there, not a false "fresh".
-    us = report.region("us-east")
-    assert us is not None and us.state == "NODATA" and us.freshness_seconds is None
 
 
 async def test_idle_slot_shows_retained_wal(
