@@ -295,3 +295,45 @@ async def test_failed_connector_task_shows_in_lag_and_in_the_exporter(
     ]
     assert 1.0 in failed_state
     assert password not in body
+
+
+def test_watch_json_streams_one_report_per_round_and_exits_with_the_last_status(
+    devstack: DevStack, stack_settings_file: Path
+) -> None:
+    import signal
+
+    exe = Path(sys.executable).with_name("edgefeed")
+    group = f"edgefeed-region-{unique_name('w').replace('_', '-').lower()}"
+    process = subprocess.Popen(
+        [
+            str(exe),
+            "--settings",
+            str(stack_settings_file),
+            "lag",
+            "--watch",
+            "--json",
+            "--interval",
+            "0.3",
+            "-g",
+            group,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(3)]
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+    reports = [json.loads(line) for line in lines]
+    assert [r["at"] for r in reports] == sorted(r["at"] for r in reports)
+    assert len({r["at"] for r in reports}) == 3
+    for r in reports:
+        # A group asked for but absent is reported, not silently dropped.
+        assert [(g["group"], g["status"]) for g in r["kafka"]["groups"]] == [(group, "NOTFOUND")]
+    assert process.returncode == {"OK": 0, "WARN": 3, "ERR": 4}[reports[-1]["severity"]]

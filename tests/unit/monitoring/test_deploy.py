@@ -114,6 +114,17 @@ def test_settings_agree_with_the_services(
     assert "gpu" in gpu["capabilities"]
 
 
+def test_compose_settings_run_the_shop_example_pipeline(settings: EdgefeedSettings) -> None:
+    from edgefeed.pipeline_config import pipeline_config
+
+    example = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
+    assert settings.sources == example.sources
+    assert settings.entities == example.entities
+    assert settings.pipeline == example.pipeline
+    config = pipeline_config(settings, check_database=False)  # what router and workers build
+    assert [r.name for r in config.regions] == ["eu-west", "us-east", "ap-southeast"]
+
+
 def test_prometheus_scrapes_the_exporter_where_it_listens(compose: dict[str, Any]) -> None:
     exporter = compose["services"]["exporter"]
     command = exporter["command"]
