@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from edge_cache.layout import HEADER_SIZE, MAGIC, KeyLayout
 from monitoring.exceptions import SourceUnavailableError
 
 __all__ = [
@@ -28,21 +29,25 @@ __all__ = [
     "vector_times",
 ]
 
-FRESHNESS_PREFIX = "ef:freshness:"
-VECTOR_PATTERN = "ef:{*"
-_HEADER_SIZE = 40
-_TIMES = struct.Struct("<qq")  # bytes 24..40: source commit time, write time (µs)
+_LAYOUT = KeyLayout()
+FRESHNESS_PREFIX = _LAYOUT.freshness_key("")  # ef:freshness:
+VECTOR_PATTERN = f"{_LAYOUT.prefix('*')}*"  # ef:{*:*
+# edge_cache.layout's header: after the source position, at bytes 24..40, the
+# source commit time and the cache write time (little-endian int64, µs).
+_TIMES_OFFSET = 24
+_TIMES = struct.Struct("<qq")
 
 
 def vector_times(value: bytes) -> tuple[int, int] | None:
     """``(commit_us, write_us)`` from a cached vector's header; None if not a vector.
 
     The header layout is edge_cache.layout's (magic ``EF`` at 0, the two
-    little-endian int64 times at 24 and 32); only these 16 bytes are read.
+    little-endian int64 times at 24 and 32); only the header is read, so the
+    monitor needs no feature schema and works across schema versions.
     """
-    if len(value) < _HEADER_SIZE or value[:2] != b"EF":
+    if len(value) < HEADER_SIZE or value[: len(MAGIC)] != MAGIC:
         return None
-    commit_us, write_us = _TIMES.unpack_from(value, 24)
+    commit_us, write_us = _TIMES.unpack_from(value, _TIMES_OFFSET)
     return int(commit_us), int(write_us)
 
 
@@ -109,7 +114,7 @@ async def read_region(
         if sample_keys:
             async with client.pipeline(transaction=False) as pipe:
                 for raw_key in sample_keys:
-                    pipe.getrange(raw_key, 0, _HEADER_SIZE - 1)
+                    pipe.getrange(raw_key, 0, HEADER_SIZE - 1)
                 heads = await pipe.execute()
             for raw_key, head in zip(sample_keys, heads, strict=True):
                 entity = entity_of_key(raw_key.decode("utf-8", "replace"))

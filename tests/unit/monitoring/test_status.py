@@ -89,11 +89,11 @@ def test_bad_options_name_the_value(options: dict[str, object], needle: str) -> 
 
 
 def test_vector_header_times_and_keys() -> None:
-    head = bytearray(48)
-    head[0:2] = b"EF"
-    head[24:32] = (1_700_000_000_000_000).to_bytes(8, "little", signed=True)
-    head[32:40] = (1_700_000_000_250_000).to_bytes(8, "little", signed=True)
-    assert vector_times(bytes(head)) == (1_700_000_000_000_000, 1_700_000_000_250_000)
+    from edge_cache.layout import Position, encode_tombstone
+
+    # A value as the cache writer encodes it (a tombstone is the bare 40-byte header).
+    value = encode_tombstone(Position(123, 4), 1_700_000_000_000_000, 1_700_000_000_250_000)
+    assert vector_times(value) == (1_700_000_000_000_000, 1_700_000_000_250_000)
     assert vector_times(b"XX" + bytes(46)) is None
     assert vector_times(b"EF") is None
     assert entity_of_key("ef:{users:42}") == "users"
