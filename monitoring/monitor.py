@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -36,6 +35,7 @@ from monitoring.status import (
     SEVERITY_OF,
     Observation,
     OffsetHistory,
+    Series,
     Severity,
     evaluate_partition,
     worst,
@@ -160,9 +160,9 @@ class Monitor:
         self.history = OffsetHistory(
             window=config.window, max_age_s=3600.0, min_interval_s=config.min_interval_s
         )
-        self._topic_history: dict[Any, deque[tuple[float, int]]] = {}
-        self._group_history: dict[Any, deque[tuple[float, int]]] = {}
-        self._deadletters: deque[tuple[float, int]] = deque(maxlen=config.window)
+        self._topic_history: dict[Any, Series] = {}
+        self._group_history: dict[Any, Series] = {}
+        self._deadletters = Series(config.window, config.min_interval_s)
 
     async def collect(self) -> Report:
         """One round: everything read concurrently, then judged."""
@@ -313,8 +313,8 @@ class Monitor:
         deadletters = sum(dead[1].values()) if dead else None
         new = None
         if deadletters is not None:
-            self._deadletters.append((snap.at, deadletters))
-            new = deadletters - self._deadletters[0][1]
+            self._deadletters.add(snap.at, deadletters)
+            new = self._deadletters.increase()
         return KafkaReport(
             groups=tuple(groups),
             topics=tuple(topic_reports),
@@ -324,21 +324,12 @@ class Monitor:
             deadletters_new=new,
         )
 
-    def _rate(
-        self,
-        store: dict[Any, deque[tuple[float, int]]],
-        key: Any,
-        at: float,
-        total: int,
-    ) -> float | None:
-        history = store.get(key)
-        if history is None:
-            history = store[key] = deque(maxlen=self.config.window)
-        history.append((at, total))
-        (t0, v0), (t1, v1) = history[0], history[-1]
-        if t1 - t0 <= 0:
-            return None
-        return max(v1 - v0, 0) / (t1 - t0)
+    def _rate(self, store: dict[Any, Series], key: Any, at: float, total: int) -> float | None:
+        series = store.get(key)
+        if series is None:
+            series = store[key] = Series(self.config.window, self.config.min_interval_s)
+        series.add(at, total)
+        return series.rate()
 
     # -- regions ------------------------------------------------------------------------
 

@@ -140,6 +140,35 @@ def worst_severity(severities: Iterable[Severity]) -> Severity:
     return result
 
 
+class Series:
+    """The last ``window`` ``(time, value)`` points of one counter, with the same
+    merging of close points as :class:`OffsetHistory`, for rates over the window."""
+
+    def __init__(self, window: int, min_interval_s: float = 0.0) -> None:
+        self.min_interval_s = min_interval_s
+        self._points: deque[tuple[float, int]] = deque(maxlen=window)
+
+    def add(self, at: float, value: int) -> None:
+        points = self._points
+        if len(points) > 1 and at - points[-2][0] < self.min_interval_s:
+            points[-1] = (at, value)
+        else:
+            points.append((at, value))
+
+    def increase(self) -> int:
+        """How much the value grew over the window (0 for fewer than two points)."""
+        if len(self._points) < 2:
+            return 0
+        return max(self._points[-1][1] - self._points[0][1], 0)
+
+    def rate(self) -> float | None:
+        """Growth per second over the window; None until two points span some time."""
+        if len(self._points) < 2:
+            return None
+        (t0, _), (t1, _) = self._points[0], self._points[-1]
+        return self.increase() / (t1 - t0) if t1 > t0 else None
+
+
 class OffsetHistory:
     """The last ``window`` observations of every (group, topic, partition).
 

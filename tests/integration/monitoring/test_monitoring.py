@@ -82,7 +82,8 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
     )
     await producer.start()
     await consumer.start()
-    monitor = Monitor(config_for(devstack, groups=(group,)))
+    dead_letters = make_topic("edgefeed.deadletter.t", partitions=1)
+    monitor = Monitor(config_for(devstack, groups=(group,), deadletter_topic=dead_letters))
     try:
         for i in range(5):
             await producer.send_and_wait(topic, f"v{i}".encode())
@@ -99,6 +100,7 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
         group_report = caught_up.group(group)
         assert group_report is not None and group_report.status == "OK"
         assert group_report.partitions[0].committed == 5
+        assert caught_up.kafka.deadletters == 0
 
         # The worker pauses (still a live member: it heartbeats) while the source writes on.
         consumer.pause(*consumer.assignment())
@@ -108,10 +110,18 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
         after_send = time.time()
         first = await until(monitor, lambda r: r.group(group).lag == 3, "lag 3")  # type: ignore[union-attr]
         first_lag_s = first.group(group).lag_seconds  # type: ignore[union-attr]
+        produced = next(t for t in first.kafka.topics if t.topic == topic)
+        assert produced.produce_rate is not None and produced.produce_rate > 0
         # Read from the timestamp of the record at the committed offset, not guessed.
         assert first.at - after_send - 0.5 <= first_lag_s <= first.at - before_send + 0.5
         for i in range(3):
             await producer.send_and_wait(topic, f"later{i}".encode())
+        for i in range(2):
+            await producer.send_and_wait(dead_letters, f"poison{i}".encode())
+        poisoned = await until(monitor, lambda r: r.kafka.deadletters == 2, "2 dead letters")
+        # Counted, and new ones within the window are a warning of their own.
+        assert poisoned.kafka.deadletters_new == 2
+        assert any("2 new dead letter(s)" in problem for problem in poisoned.problems)
         stalled = await until(
             monitor,
             lambda r: (
@@ -155,6 +165,7 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
         g = cleared.group(group)
         assert g is not None and g.status == "OK" and g.severity == "OK"
         assert g.lag_seconds == 0
+        assert g.consume_rate[topic] > 0  # throughput over the window: the drain
     finally:
         await consumer.stop()
         await producer.stop()

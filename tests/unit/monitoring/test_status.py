@@ -166,3 +166,16 @@ def test_exporter_output_parses_and_uses_kafka_exporter_names() -> None:
         if s.labels["state"] == "FAILED"
     ]
     assert [s.value for s in failed] == [1.0]
+
+
+def test_series_rate_and_increase_over_the_window() -> None:
+    from monitoring.status import Series
+
+    series = Series(window=3, min_interval_s=1.0)
+    assert series.rate() is None and series.increase() == 0
+    series.add(0.0, 10)
+    series.add(2.0, 30)
+    assert series.rate() == 10.0 and series.increase() == 20
+    series.add(4.0, 30)
+    series.add(6.0, 30)  # the window keeps 3 points: 2.0, 4.0, 6.0
+    assert series.increase() == 0 and series.rate() == 0.0
