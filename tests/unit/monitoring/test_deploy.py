@@ -170,6 +170,9 @@ def test_every_edgefeed_service_runs_a_real_command(name: str, command: list[str
 
 
 def _metric_names(expr: str) -> set[str]:
+    import promql_parser
+
+    promql_parser.parse(expr)  # raises on a query Prometheus would reject
     return set(re.findall(r"\b((?:kafka|edgefeed)_[a-z0-9_]+)\b", expr))
 
 
