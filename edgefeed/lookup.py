@@ -1,8 +1,8 @@
 """Feature lookup clients built from the settings file: what serving code calls.
 
-    from edgefeed.lookup import feature_client
-    client = feature_client(load_settings("edgefeed.yaml"), region="eu-west")
-    vectors = client.get("user", [42])
+from edgefeed.lookup import feature_client
+client = feature_client(load_settings("edgefeed.yaml"), region="eu-west")
+vectors = client.get("user", [42])
 """
 
 from __future__ import annotations

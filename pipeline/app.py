@@ -32,14 +32,23 @@ __all__ = ["PipelineConfig", "build_region_app", "build_router_app"]
 log = logging.getLogger("edgefeed.pipeline")
 
 EVENTS = Counter("edgefeed_pipeline_events_total", "Events processed", ["app", "outcome"])
-DEAD_LETTERS = Counter("edgefeed_pipeline_dead_letters_total", "Events dead-lettered",
-                       ["app", "reason"])
-WRITES = Counter("edgefeed_pipeline_cache_writes_total", "Vectors written to Redis",
-                 ["region", "applied"])
-BATCH = Histogram("edgefeed_pipeline_batch_size", "Events per batch", ["app"],
-                  buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 5000))
-WRITE_SECONDS = Histogram("edgefeed_pipeline_cache_write_seconds",
-                          "Latency of one pipelined batch write to Redis", ["region"])
+DEAD_LETTERS = Counter(
+    "edgefeed_pipeline_dead_letters_total", "Events dead-lettered", ["app", "reason"]
+)
+WRITES = Counter(
+    "edgefeed_pipeline_cache_writes_total", "Vectors written to Redis", ["region", "applied"]
+)
+BATCH = Histogram(
+    "edgefeed_pipeline_batch_size",
+    "Events per batch",
+    ["app"],
+    buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 5000),
+)
+WRITE_SECONDS = Histogram(
+    "edgefeed_pipeline_cache_write_seconds",
+    "Latency of one pipelined batch write to Redis",
+    ["region"],
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +151,20 @@ def build_router_app(config: PipelineConfig) -> faust.App:
     partitions = config.pipeline.partitions
     source = app.topic(*config.fed_topics(), key_serializer="raw", value_serializer="raw")
     outputs = {
-        name: app.topic(config.pipeline.region_topic(name), partitions=partitions,
-                        key_serializer="raw", value_serializer="raw")
+        name: app.topic(
+            config.pipeline.region_topic(name),
+            partitions=partitions,
+            key_serializer="raw",
+            value_serializer="raw",
+        )
         for name in config.region_names
     }
-    dead = app.topic(config.pipeline.dead_letter_topic, partitions=1,
-                     key_serializer="raw", value_serializer="raw")
+    dead = app.topic(
+        config.pipeline.dead_letter_topic,
+        partitions=1,
+        key_serializer="raw",
+        value_serializer="raw",
+    )
 
     @app.agent(source, name="route")
     async def route(stream: Any) -> None:
@@ -162,11 +179,18 @@ def build_router_app(config: PipelineConfig) -> faust.App:
                     messages = router.route(change)
                 except PoisonEventError as exc:
                     DEAD_LETTERS.labels(app_id, exc.reason).inc()
-                    log.warning("dead-lettered %s:%s@%s: %s", event.message.topic,
-                                event.message.partition, event.message.offset, exc)
-                    await dead.send(key=event.key, value=event.value,
-                                    headers=_dead_letter_headers(exc.reason, str(exc), event,
-                                                                 "router"))
+                    log.warning(
+                        "dead-lettered %s:%s@%s: %s",
+                        event.message.topic,
+                        event.message.partition,
+                        event.message.offset,
+                        exc,
+                    )
+                    await dead.send(
+                        key=event.key,
+                        value=event.value,
+                        headers=_dead_letter_headers(exc.reason, str(exc), event, "router"),
+                    )
                     continue
                 if not messages:
                     EVENTS.labels(app_id, "ignored").inc()
@@ -192,12 +216,20 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     engine = FeatureEngine(config.entities)
     partitions = config.pipeline.partitions
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
-    changes = app.topic(config.pipeline.region_topic(region_name), partitions=partitions,
-                        key_serializer="raw", value_serializer="raw")
-    dead = app.topic(config.pipeline.dead_letter_topic, partitions=1,
-                     key_serializer="raw", value_serializer="raw")
-    # Keys are the raw message keys (``entity:id``); values JSON (the app's defaults).
-    state = app.Table("entities", partitions=partitions)
+    changes = app.topic(
+        config.pipeline.region_topic(region_name),
+        partitions=partitions,
+        key_serializer="raw",
+        value_serializer="raw",
+    )
+    dead = app.topic(
+        config.pipeline.dead_letter_topic,
+        partitions=1,
+        key_serializer="raw",
+        value_serializer="raw",
+    )
+    # Keys are ``entity:id`` strings, values dicts: both JSON in the changelog.
+    state = app.Table("entities", partitions=partitions, key_type=str)
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
     holder: dict[str, AsyncFeatureWriter] = {}
@@ -212,7 +244,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     async def features(stream: Any) -> None:
         async for events in stream.take_events(batch_max, within):
             BATCH.labels(app_id).observe(len(events))
-            ops: dict[bytes, Upsert | Delete] = {}
+            ops: dict[str, Upsert | Delete] = {}
             for event in events:
                 # Table writes go to the changelog partition of the event at hand.
                 stream._set_current_event(event)
@@ -222,7 +254,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
                         _truncate(message, event.message.partition)
                         continue
                     entity = engine.engine(str(message["e"]))
-                    key = event.key
+                    key = (event.key or b"").decode()
                     new_state, changed = entity.apply(state.get(key), message)
                     if changed and new_state is not None:
                         state[key] = new_state
@@ -233,26 +265,36 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
                 except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
                     reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
                     DEAD_LETTERS.labels(app_id, reason).inc()
-                    log.warning("dead-lettered %s@%s: %s", event.message.partition,
-                                event.message.offset, exc)
-                    await dead.send(key=event.key, value=event.value,
-                                    headers=_dead_letter_headers(reason, str(exc), event,
-                                                                 f"region {region_name}"))
+                    log.warning(
+                        "dead-lettered %s@%s: %s",
+                        event.message.partition,
+                        event.message.offset,
+                        exc,
+                    )
+                    await dead.send(
+                        key=event.key,
+                        value=event.value,
+                        headers=_dead_letter_headers(
+                            reason, str(exc), event, f"region {region_name}"
+                        ),
+                    )
             stream._set_current_event(None)
             if ops:
                 await _write(list(ops.values()))
 
     def _truncate(message: dict[str, Any], partition: int) -> None:
         for key in list(state.keys()):
-            if partitioner(key, all_partitions, all_partitions) != partition:
+            # The router's keys decide partitions; only this partition's entities are ours.
+            if partitioner(key.encode(), all_partitions, all_partitions) != partition:
                 continue  # another partition's copy of the truncate handles it
             current = state[key]
-            entity = engine.engine(key.decode().split(":", 1)[0])
+            entity_type, entity_id = key.split(":", 1)
+            entity = engine.engine(entity_type)
             if entity.truncate(current, message):
                 state[key] = current
-                pending_truncates[key] = entity.write_op(key.decode().split(":", 1)[1], current)
+                pending_truncates[key] = entity.write_op(entity_id, current)
 
-    pending_truncates: dict[bytes, Upsert | Delete] = {}
+    pending_truncates: dict[str, Upsert | Delete] = {}
 
     async def _write(ops: list[Upsert | Delete]) -> None:
         if pending_truncates:

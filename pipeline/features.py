@@ -8,9 +8,10 @@ tombstones until they leave every window, and the vector is a pure function of
 the state. Redelivered and reordered messages therefore leave the same state
 and the same vector.
 
-Windows end at the entity's newest event time (the largest event time among
-its rows), not at the wall clock: the vector is "as of the entity's latest
-change", and replays compute the same values.
+Windows end at the entity's newest event time in the aggregated table (the
+largest event time among its rows of that table), not at the wall clock: the
+vector is "as of the entity's latest event", and replays compute the same
+values.
 """
 
 from __future__ import annotations
@@ -226,17 +227,18 @@ class EntityEngine:
         state["ts"] = max(int(state["ts"]), int(ts))
         return state
 
-    def _reference_ms(self, state: Mapping[str, Any]) -> int | None:
-        times = [entry[_T] for rows in state["rows"].values() for entry in rows.values()]
-        return max(times) if times else None
+    @staticmethod
+    def _reference_ms(state: Mapping[str, Any], table: str) -> int | None:
+        rows = state["rows"].get(table)
+        return max(entry[_T] for entry in rows.values()) if rows else None
 
     def _prune(self, state: dict[str, Any]) -> None:
-        ref = self._reference_ms(state)
-        if ref is None:
-            return
         for table, rows in state["rows"].items():
             needs = self.needs.get(table)
             if needs is None or needs.retention_ms is None or len(rows) <= needs.keep_last:
+                continue
+            ref = self._reference_ms(state, table)
+            if ref is None:
                 continue
             newest = sorted(
                 rows.items(), key=lambda kv: (kv[1][_T], kv[1][_LSN], kv[1][_SEQ]), reverse=True
@@ -252,7 +254,6 @@ class EntityEngine:
     def vector(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Feature name -> value (None: missing) for the entity's current state."""
         values: dict[str, Any] = {}
-        ref = self._reference_ms(state)
         for latest in self.settings.latest:
             live = [e for e in state["rows"].get(latest.table, {}).values() if not e[_DEL]]
             if live:
@@ -261,6 +262,7 @@ class EntityEngine:
             else:
                 values[latest.name] = None
         for aggregate in self.settings.aggregates:
+            ref = self._reference_ms(state, aggregate.table)
             values.update(self._aggregate(aggregate, state, ref))
         return values
 

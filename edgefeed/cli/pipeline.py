@@ -12,8 +12,9 @@ from edgefeed.pipeline_config import pipeline_config
 
 __all__ = ["register"]
 
-pipeline_app = typer.Typer(help="The Faust pipeline: router and regional feature workers.",
-                           no_args_is_help=True)
+pipeline_app = typer.Typer(
+    help="The Faust pipeline: router and regional feature workers.", no_args_is_help=True
+)
 
 
 @pipeline_app.command("run")
@@ -40,15 +41,22 @@ def run(
     from pipeline.app import build_region_app, build_router_app
     from pipeline.topics import ensure_topics
 
-    topics = {settings.pipeline.region_topic(r): settings.pipeline.partitions
-              for r in settings.region_names}
+    topics = {
+        settings.pipeline.region_topic(r): settings.pipeline.partitions
+        for r in settings.region_names
+    }
     topics[settings.pipeline.dead_letter_topic] = 1
     if role == "router":
         for source in settings.sources:
             for table in source.tables:
                 topics[source.topic_for(table.name)] = source.partitions
-    asyncio.run(ensure_topics(settings.kafka.bootstrap_servers, topics,
-                              replication_factor=settings.pipeline.replication_factor))
+    asyncio.run(
+        ensure_topics(
+            settings.kafka.bootstrap_servers,
+            topics,
+            replication_factor=settings.pipeline.replication_factor,
+        )
+    )
     if metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -8,6 +8,7 @@ talks to it. All state (pid files, logs, data) lives under one state folder.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -358,16 +359,78 @@ class DevStack:
             )
         return statuses
 
+    # -- applications on top of the stack (pipeline workers, model workers) ------------------
+
+    _APP_PREFIX = "app-"
+
+    def start_app(
+        self, name: str, argv: Sequence[str], *, ready: str | None = None, timeout_s: float = 90.0
+    ) -> None:
+        """Run an edgefeed process (a pipeline or model worker) managed like the services:
+        pid file and log in the state folder, stopped by :meth:`down`.
+
+        Args:
+            ready: A line fragment its log prints once it is ready; waited for.
+
+        Raises:
+            ServiceStartError: it exited, or did not print ``ready`` in time.
+        """
+        app = f"{self._APP_PREFIX}{name}"
+        record = read_pid(self.pid_path(app))
+        if record is not None and record.alive():
+            return
+        log = self.log_path(app)
+        offset = log.stat().st_size if log.exists() else 0
+        record = spawn(argv, log_path=log, pid_path=self.pid_path(app))
+        if ready is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(log, "rb") as handle:
+                handle.seek(offset)
+                if ready.encode() in handle.read():
+                    return
+            if not record.alive():
+                break
+            time.sleep(0.2)
+        raise ServiceStartError(
+            f"{name} did not become ready; last lines of {log}:\n{self._tail_path(log, 15)}"
+        )
+
+    def stop_app(self, name: str, sig: signal.Signals = signal.SIGTERM) -> bool:
+        """Stop one application started by :meth:`start_app`; True if it was running."""
+        path = self.pid_path(f"{self._APP_PREFIX}{name}")
+        record = read_pid(path)
+        stopped = record is not None and stop_pid(record, sig=sig, timeout_s=30)
+        path.unlink(missing_ok=True)
+        return stopped
+
+    def apps(self) -> list[str]:
+        """Names of the applications with a pid file."""
+        run = self.state_dir / "run"
+        prefix = self._APP_PREFIX
+        return (
+            sorted(p.stem[len(prefix) :] for p in run.glob(f"{prefix}*.pid"))
+            if run.exists()
+            else []
+        )
+
     def down(self) -> dict[str, str]:
         """Stop every process this stack started; clean up stale pid files.
 
-        Only processes whose pid and start time match the pid file are signalled,
-        so a pid reused by a foreign process after a crash is left alone.
+        Applications (pipeline and model workers started with :meth:`start_app`)
+        stop first, then the services in reverse start order. Only processes
+        whose pid and start time match the pid file are signalled, so a pid
+        reused by a foreign process after a crash is left alone.
 
         Returns:
             Per service: "stopped", "not running" or "stale pid file removed".
         """
         outcome: dict[str, str] = {}
+        for app in self.apps():
+            outcome[f"{self._APP_PREFIX}{app}"] = (
+                "stopped" if self.stop_app(app) else "stale pid file removed"
+            )
         # Reverse order: Connect before the broker it writes to.
         for service in reversed(self.services):
             path = self.pid_path(service.name)
@@ -385,8 +448,13 @@ class DevStack:
 
     def tail(self, name: str, lines: int = 50) -> str:
         """The last ``lines`` lines of a service's log."""
+        if name.startswith(self._APP_PREFIX):
+            return self._tail_path(self.log_path(name), lines)
         self.service(name)
-        path = self.log_path(name)
+        return self._tail_path(self.log_path(name), lines)
+
+    @staticmethod
+    def _tail_path(path: Path, lines: int) -> str:
         if not path.exists():
             return f"(no log yet at {path})"
         with open(path, "rb") as handle:

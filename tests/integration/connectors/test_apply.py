@@ -83,7 +83,7 @@ async def test_example_settings_stream_inserts_updates_and_deletes(
 ) -> None:
     settings = example_settings(devstack)
     source = settings.source("shop")
-    pg_conn.execute((ROOT / "examples" / "shop" / "schema.sql").read_text())
+    pg_conn.execute((ROOT / "edgefeed" / "data" / "shop_schema.sql").read_text())
     cleanup(source)
     changes = deploy.apply(client, settings.database, settings.sources, wait_s=90)
     assert [(c.name, c.action) for c in changes] == [("edgefeed-shop", "create")]

@@ -1,0 +1,149 @@
+"""A running pipeline on the session's stack: its own schema, connector, topics and workers.
+
+The workers are real processes started with ``edgefeed pipeline run`` (the same
+command operators use), so a test can kill -9 one and start it again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import yaml
+from conftest import drop_slot, unique_name
+
+from connectors import deploy
+from connectors.client import ConnectClient
+from edgefeed.devstack import DevStack
+from edgefeed.settings import EdgefeedSettings, settings_from_mapping
+
+ROOT = Path(__file__).resolve().parents[3]
+EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
+
+
+@dataclass
+class PipelineRun:
+    """The pipeline under test and its worker processes."""
+
+    settings: EdgefeedSettings
+    settings_file: Path
+    schema: str
+    logs: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def table(self, name: str) -> str:
+        return f"{self.schema}.{name}"
+
+    def start(self, name: str) -> None:
+        """Start ``router`` or a region's worker; returns once it reports ready."""
+        args = ["--role", "router"] if name == "router" else ["--region", name]
+        log = self.logs / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0
+        with open(log, "ab") as out:
+            self.procs[name] = subprocess.Popen(
+                [
+                    EDGEFEED,
+                    "--settings",
+                    str(self.settings_file),
+                    "pipeline",
+                    "run",
+                    *args,
+                    "--loglevel",
+                    "info",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            text = log.read_bytes()[offset:].decode(errors="replace")
+            if "Worker]: Ready" in text:
+                return
+            if self.procs[name].poll() is not None:
+                raise AssertionError(f"{name} exited during start-up:\n{text[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"{name} not ready in 90 s:\n{log.read_text()[-3000:]}")
+
+    def kill9(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self.procs.clear()
+
+
+def shop_settings(stack_mapping: dict[str, Any], schema: str, tag: str) -> dict[str, Any]:
+    """The example settings on the test stack, in schema ``schema`` with unique names."""
+    text = (ROOT / "examples" / "edgefeed.yaml").read_text()
+    example = yaml.safe_load(re.sub(r"\bpublic\.(users|items|events)\b", rf"{schema}.\1", text))
+    mapping = dict(stack_mapping)
+    source = example["sources"][0]
+    source.update(name=tag, snapshot_mode="no_data")
+    mapping["sources"] = [source]
+    mapping["entities"] = example["entities"]
+    mapping["pipeline"] = {
+        **example["pipeline"],
+        "partitions": 2,
+        "app_prefix": f"ef-{tag}",
+        "region_topic_prefix": f"ef.{tag}.region",
+        "dead_letter_topic": f"ef.{tag}.deadletter",
+    }
+    return mapping
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(
+    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PipelineRun]:
+    tag = unique_name("e2e").lower()
+    schema = f"s_{tag}"
+    mapping = shop_settings(stack_mapping, schema, tag)
+    settings = settings_from_mapping(mapping)
+    folder = tmp_path_factory.mktemp("pipeline")
+    settings_file = folder / "edgefeed.yaml"
+    settings_file.write_text(yaml.safe_dump(mapping))
+    ddl = (
+        (ROOT / "edgefeed" / "data" / "shop_schema.sql")
+        .read_text()
+        .replace("public.", f"{schema}.")
+    )
+    source = settings.sources[0]
+    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(ddl)
+    client = ConnectClient(settings.connect.url, timeout_s=30)
+    run = PipelineRun(settings, settings_file, schema, folder)
+    try:
+        deploy.apply(client, settings.database, settings.sources, wait_s=90)
+        run.start("router")
+        for region in settings.region_names:
+            run.start(region)
+        yield run
+    finally:
+        run.stop_all()
+        client.delete(source.connector_name)
+        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+            drop_slot(conn, source.effective_slot_name, source.effective_publication)
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        client.close()

@@ -1,0 +1,307 @@
+"""End to end on the real stack: PostgreSQL -> Debezium -> broker -> router -> regional
+Faust workers -> each region's Redis, with exact feature values, data residency,
+dead letters, replays and a crashed worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from e2e_harness import PipelineRun, pipeline_run  # noqa: F401 - the fixture
+
+from edgefeed.lookup import feature_client
+
+pytestmark = pytest.mark.integration
+
+BASE = "2026-06-01T12:00:00+00:00"  # event times are explicit: windows are exact
+
+
+def sql(run: PipelineRun, statement: str, params: Any = None) -> None:
+    with psycopg.connect(run.settings.database.dsn(), autocommit=True) as conn:
+        conn.execute(statement.replace("{s}", run.schema), params)
+
+
+def add_event(
+    run: PipelineRun,
+    user: int,
+    item: int,
+    category: int,
+    price: str,
+    region: str,
+    kind: str,
+    minutes_before: float,
+) -> None:
+    sql(
+        run,
+        "INSERT INTO {s}.events (user_id, item_id, category_id, price, home_region, kind, "
+        "occurred_at) VALUES (%s, %s, %s, %s, %s, %s, "
+        "%s::timestamptz - make_interval(secs => %s))",
+        (user, item, category, price, region, kind, BASE, minutes_before * 60),
+    )
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s}s: {what}")
+
+
+def vector(run: PipelineRun, region: str, entity: str, entity_id: int) -> dict[str, Any] | None:
+    client = feature_client(run.settings, region, timeout_s=2)
+    try:
+        result = client.get(entity, [entity_id])
+        return result.to_dicts()[0] if result.found[0] else None  # type: ignore[no-any-return]
+    finally:
+        client.close()
+
+
+async def read_all(bootstrap: list[str], topic: str) -> list[Any]:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=20
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()  # loads the metadata
+        partitions = [
+            TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])
+        ]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        end = await consumer.end_offsets(partitions)
+        records: list[Any] = []
+        deadline = time.monotonic() + 30
+        while [tp for tp in partitions if await consumer.position(tp) < end[tp]]:
+            assert time.monotonic() < deadline, f"could not read {topic} to its end"
+            batch = await consumer.getmany(timeout_ms=200)
+            for part in batch.values():
+                records.extend(part)
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def caught_up(bootstrap: list[str], group: str, topic: str) -> bool:
+    # committed() fetches the group's offsets without joining the group.
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()
+        partitions = [
+            TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])
+        ]
+        end = await consumer.end_offsets(partitions)
+        for tp in partitions:
+            committed = await consumer.committed(tp)
+            if committed is None or committed < end[tp]:
+                return False
+        return True
+    finally:
+        await consumer.stop()
+
+
+def redis_of(run: PipelineRun, region: str) -> redis.Redis:
+    return redis.Redis.from_url(run.settings.region(region).redis_url)
+
+
+def test_rows_become_exact_features_in_their_home_region_only(pipeline_run: PipelineRun) -> None:
+    run = pipeline_run
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(1001, 'eu-west', 'DE', 2, 'a@example.org'), (1002, 'us-east', 'US', 1, 'b@example.org')",
+    )
+    sql(
+        run,
+        "INSERT INTO {s}.items (item_id, category_id, price) VALUES "
+        "(501, 7, 12.50), (502, 8, 3.00)",
+    )
+    for kind, item, category, price, minutes in [
+        ("view", 501, 7, "12.50", 40),
+        ("view", 502, 8, "3.00", 20),
+        ("view", 501, 7, "12.50", 10),
+        ("click", 501, 7, "12.50", 9),
+        ("purchase", 501, 7, "12.50", 5),
+        ("add_to_cart", 502, 8, "3.00", 1),
+    ]:
+        add_event(run, 1001, item, category, price, "eu-west", kind, minutes)
+    add_event(run, 1002, 501, 7, "12.50", "us-east", "view", 3)
+
+    wait_for(
+        "user 1001's features in eu-west",
+        lambda: (vector(run, "eu-west", "user", 1001) or {}).get("carts_1h") == 1,
+    )
+    user = vector(run, "eu-west", "user", 1001)
+    assert user is not None
+    assert user["segment"] == 2
+    assert user["views_30m"] == 2  # 20 and 10 minutes before the newest event; 40 is outside
+    assert user["clicks_30m"] == 1
+    assert user["carts_1h"] == 1
+    assert user["purchases_today"] == 1
+    assert user["spend_today"] == pytest.approx(12.5)
+    assert user["avg_price_viewed_1h"] == pytest.approx((12.5 + 3.0 + 12.5) / 3, rel=1e-6)
+    assert user["max_price_viewed_1h"] == pytest.approx(12.5)
+    assert user["distinct_items_1h"] == 2
+    assert [user[f"last_items.{i}"] for i in range(1, 6)] == [502, 501, 501, 501, 502]
+    assert [user[f"top_categories_1h.{i}"] for i in (1, 2, 3)] == [7, 8, None]
+
+    wait_for(
+        "item 501 in eu-west",
+        lambda: (vector(run, "eu-west", "item", 501) or {}).get("purchases_1h") == 1,
+    )
+    item_eu = vector(run, "eu-west", "item", 501)
+    assert item_eu is not None
+    assert (item_eu["price"], item_eu["category_id"], item_eu["views_1h"]) == (12.5, 7, 2)
+    wait_for(
+        "item 501 in us-east",
+        lambda: (vector(run, "us-east", "item", 501) or {}).get("views_1h") == 1,
+    )
+    wait_for(
+        "user 1002 in us-east",
+        lambda: (vector(run, "us-east", "user", 1002) or {}).get("views_30m") == 1,
+    )
+    # Shared data is everywhere.
+    wait_for(
+        "item 502 in ap-southeast",
+        lambda: (vector(run, "ap-southeast", "item", 502) or {}).get("price") == 3.0,
+    )
+
+    # Residency: user 1001's key and data never appear outside eu-west.
+    for region in ("us-east", "ap-southeast"):
+        assert list(redis_of(run, region).scan_iter(match="*user:1001*")) == []
+        records = asyncio.run(
+            read_all(
+                run.settings.kafka.bootstrap_servers, run.settings.pipeline.region_topic(region)
+            )
+        )
+        assert records, f"{region}'s change topic should carry shared data"
+        for record in records:
+            assert record.key != b"user:1001"
+            body = json.loads(record.value)
+            assert not (body.get("e") == "user" and body.get("id") == 1001)
+            assert (body.get("row") or {}).get("user_id") != 1001
+    assert list(redis_of(run, "eu-west").scan_iter(match="*user:1001*")) == [b"ef:{user:1001}"]
+
+    # Freshness is recorded per entity type.
+    fresh = redis_of(run, "eu-west").hgetall("ef:freshness:user")
+    assert int(fresh[b"write_us"]) >= int(fresh[b"commit_us"]) > 0
+
+
+def test_poison_event_goes_to_the_dead_letter_topic_and_good_events_still_flow(
+    pipeline_run: PipelineRun,
+) -> None:
+    run = pipeline_run
+    bootstrap = run.settings.kafka.bootstrap_servers
+    events_topic = run.settings.sources[0].topic_for(run.table("events"))
+
+    async def produce() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(
+                events_topic, b"{this is not json", key=b'{"event_id":424242}'
+            )
+        finally:
+            await producer.stop()
+
+    asyncio.run(produce())
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(1003, 'ap-southeast', 'SG', 0, 'c@example.org')",
+    )
+    add_event(run, 1003, 501, 7, "12.50", "ap-southeast", "view", 2)
+    wait_for(
+        "user 1003 after the poison event",
+        lambda: (vector(run, "ap-southeast", "user", 1003) or {}).get("views_30m") == 1,
+    )
+
+    records = asyncio.run(read_all(bootstrap, run.settings.pipeline.dead_letter_topic))
+    poisoned = [r for r in records if r.value == b"{this is not json"]
+    assert len(poisoned) == 1
+    headers = dict(poisoned[0].headers)
+    assert headers["edgefeed-reason"] == b"undecodable"
+    assert headers["edgefeed-topic"] == events_topic.encode()
+    assert b"not JSON" in headers["edgefeed-error"]
+
+
+def snapshot(run: PipelineRun, region: str) -> dict[bytes, bytes | None]:
+    client = redis_of(run, region)
+    return {key: client.get(key) for key in sorted(client.scan_iter(match="ef:{*"))}
+
+
+def test_duplicate_and_reordered_replays_leave_identical_cache_contents(
+    pipeline_run: PipelineRun,
+) -> None:
+    run = pipeline_run
+    bootstrap = run.settings.kafka.bootstrap_servers
+    topic = run.settings.pipeline.region_topic("eu-west")
+    group = run.settings.pipeline.region_app_id("eu-west")
+    wait_for("eu-west caught up", lambda: asyncio.run(caught_up(bootstrap, group, topic)))
+    before = snapshot(run, "eu-west")
+    assert any(b"user:1001" in key for key in before)
+    records = asyncio.run(read_all(bootstrap, topic))
+
+    async def replay() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        try:
+            for record in reversed(records):  # every message again, newest first
+                await producer.send(topic, record.value, key=record.key)
+            await producer.flush()
+        finally:
+            await producer.stop()
+
+    asyncio.run(replay())
+    wait_for(
+        "eu-west caught up after the replay",
+        lambda: asyncio.run(caught_up(bootstrap, group, topic)),
+    )
+    assert snapshot(run, "eu-west") == before
+
+
+def test_kill_9_of_a_regional_worker_mid_stream_loses_no_update(pipeline_run: PipelineRun) -> None:
+    run = pipeline_run
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(1004, 'eu-west', 'FR', 1, 'd@example.org')",
+    )
+    total = 120
+    inserted = threading.Event()
+
+    def load() -> None:
+        for i in range(total):
+            add_event(run, 1004, 600 + i, 9, "1.00", "eu-west", "view", 1 + (i % 20) / 100)
+            time.sleep(0.02)
+        inserted.set()
+
+    writer = threading.Thread(target=load)
+    writer.start()
+    wait_for(
+        "the first updates of user 1004",
+        lambda: (vector(run, "eu-west", "user", 1004) or {}).get("views_30m", 0) > 0,
+    )
+    run.kill9("eu-west")
+    run.start("eu-west")
+    writer.join(timeout=120)
+    assert inserted.is_set()
+    wait_for(
+        f"all {total} views of user 1004",
+        lambda: (vector(run, "eu-west", "user", 1004) or {}).get("views_30m") == total,
+        timeout_s=120,
+    )
+    final = vector(run, "eu-west", "user", 1004)
+    assert final is not None and final["distinct_items_1h"] == total
