@@ -67,6 +67,19 @@ def test_no_secret_inline_and_every_variable_in_env_example(compose: dict[str, A
                 assert str(value).startswith("${"), f"{name}: {key} is inline"
 
 
+def test_every_bind_mount_and_build_file_exists(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+    dockerfile = (ROOT / "deploy" / "edgefeed.Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
 def test_every_service_has_a_healthcheck_or_is_a_one_shot_and_waits_on_conditions(
     compose: dict[str, Any],
 ) -> None:
