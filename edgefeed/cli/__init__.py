@@ -17,7 +17,7 @@ from edgefeed import __version__
 
 __all__ = ["app", "main"]
 
-_COMMAND_MODULES = ("dev", "demo", "connectors", "pipeline", "preprocess", "workers")
+_COMMAND_MODULES = ("dev", "demo", "connectors", "pipeline", "preprocess", "workers", "monitoring")
 
 app = typer.Typer(
     name="edgefeed",

@@ -1,0 +1,324 @@
+"""``edgefeed lag`` and ``edgefeed exporter``: lag, freshness and CDC health.
+
+Exit codes of ``lag``: 0 everything OK, 3 a warning (a group falling behind,
+an inactive slot, a region without data, new dead letters), 4 an error (a
+stalled, stopped or rewound group, a stale region, a failed connector task, a
+slot over its WAL bound, a system unreachable), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from edgefeed.cli._common import console, run_reported, settings_of
+from edgefeed.settings import EdgefeedSettings
+from monitoring import Monitor, MonitorConfig, RegionTarget, Report, SourceTarget, serve
+
+__all__ = ["EXIT_CODES", "build_config", "register", "render"]
+
+EXIT_CODES = {"OK": 0, "WARN": 3, "ERR": 4}
+_COLOURS = {
+    "OK": "green",
+    "IDLE": "green",
+    "RUNNING": "green",
+    "WARN": "yellow",
+    "NODATA": "yellow",
+    "NOTFOUND": "yellow",
+    "PAUSED": "yellow",
+    "UNASSIGNED": "yellow",
+    "ERR": "red",
+    "STOP": "red",
+    "STALL": "red",
+    "REWIND": "red",
+    "STALE": "red",
+    "DOWN": "red",
+    "FAILED": "red",
+    "ABSENT": "red",
+}
+
+GroupOpt = Annotated[
+    list[str] | None,
+    typer.Option("--group", "-g", help="Only this consumer group (repeatable)."),
+]
+WindowOpt = Annotated[int, typer.Option(help="Observations per partition the status rules use.")]
+BudgetOpt = Annotated[
+    float, typer.Option("--freshness-budget", help="Seconds a region may lag its source.")
+]
+WalOpt = Annotated[
+    int, typer.Option("--slot-wal-bound", help="Retained WAL bytes per slot before ERR.")
+]
+SampleOpt = Annotated[int, typer.Option("--sample-size", help="Vectors sampled per region.")]
+MinIntervalOpt = Annotated[
+    float, typer.Option("--min-interval", help="Seconds between observations kept.")
+]
+
+
+def build_config(
+    settings: EdgefeedSettings,
+    *,
+    groups: list[str] | None = None,
+    window: int = 10,
+    min_interval_s: float = 1.0,
+    freshness_budget_s: float = 5.0,
+    slot_wal_bound_bytes: int = 1024**3,
+    sample_size: int = 20,
+) -> MonitorConfig:
+    """The monitor's view of the settings file."""
+    secret = settings.database.secret()
+    return MonitorConfig(
+        bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
+        regions=tuple(RegionTarget(r.name, r.redis_url) for r in settings.regions),
+        sources=tuple(
+            SourceTarget(s.name, s.connector_name, s.effective_slot_name) for s in settings.sources
+        ),
+        database_dsn=settings.database.dsn(),
+        connect_url=settings.connect.url,
+        groups=tuple(groups or ()),
+        deadletter_topic=settings.pipeline.dead_letter_topic,
+        router_group=settings.pipeline.router_app_id,
+        region_group_prefix=settings.pipeline.region_app_id(""),
+        region_topic_prefix=settings.pipeline.region_topic_prefix,
+        window=window,
+        min_interval_s=min_interval_s,
+        freshness_budget_s=freshness_budget_s,
+        slot_wal_bound_bytes=slot_wal_bound_bytes,
+        sample_size=sample_size,
+        timeout_s=settings.connect.timeout_s,
+        client_id=f"{settings.kafka.client_id}-monitor",
+        secrets=(secret,) if secret else (),
+    )
+
+
+def _styled(value: str) -> Text:
+    return Text(value, style=_COLOURS.get(value, ""))
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}s" if value < 600 else f"{value / 60:.0f}m"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(value)
+
+
+def render(report: Report) -> Group:
+    """The report as rich tables (groups, regions, CDC source, problems)."""
+    groups = Table(title="Consumer groups", title_justify="left", expand=False)
+    for column in ("group", "status", "topic", "part", "committed", "end", "lag", "lag s"):
+        groups.add_column(
+            column,
+            overflow="fold",
+            justify=("right" if column in ("part", "committed", "end", "lag", "lag s") else "left"),
+        )
+    for g in report.kafka.groups:
+        if not g.partitions:
+            groups.add_row(g.group, _styled(g.status), "-", "", "", "", "", "")
+        for i, p in enumerate(g.partitions):
+            groups.add_row(
+                g.group if i == 0 else "",
+                _styled(p.status),
+                p.topic,
+                str(p.partition),
+                "-" if p.committed is None else str(p.committed),
+                str(p.end),
+                "-" if p.lag is None else str(p.lag),
+                _seconds(p.lag_seconds),
+            )
+    regions = Table(title="Region caches", title_justify="left")
+    for column in (
+        "region",
+        "state",
+        "freshness",
+        "pending",
+        "entity",
+        "entity fresh",
+        "write delay",
+        "sample oldest",
+    ):
+        regions.add_column(column, overflow="fold")
+    for r in report.regions:
+        head: list[str | Text] = [
+            r.region,
+            _styled(r.state),
+            _seconds(r.freshness_seconds),
+            "-" if r.pending is None else str(r.pending),
+        ]
+        if not r.entities:
+            regions.add_row(*head, r.error or "-", "", "", "")
+        for i, e in enumerate(r.entities):
+            regions.add_row(
+                *(head if i == 0 else ["", "", "", ""]),
+                e.entity,
+                _seconds(e.freshness_seconds),
+                _seconds(e.write_delay_seconds),
+                f"{_seconds(e.sample_oldest_seconds)} ({e.sampled})",
+            )
+    cdc = Table(title="CDC source", title_justify="left")
+    for column in ("kind", "name", "state", "detail"):
+        cdc.add_column(column, overflow="fold")
+    for s in report.slots:
+        cdc.add_row(
+            "slot",
+            s.slot,
+            _styled(s.severity),
+            f"{'active' if s.active else 'INACTIVE'}, retains {_bytes(s.retained_wal_bytes)} WAL",
+        )
+    for c in report.connectors:
+        cdc.add_row("connector", c.name, _styled(c.state), c.failure or "")
+        for t in c.tasks:
+            cdc.add_row("  task", f"{c.name}/{t.id}", _styled(t.state), t.cause or t.worker_id)
+    parts: list[Table | Text] = [groups, regions, cdc]
+    if report.kafka.deadletters is not None:
+        parts.append(
+            Text(
+                f"dead letters on {report.kafka.deadletter_topic}: {report.kafka.deadletters}"
+                f" ({report.kafka.deadletters_new or 0} new in the window)"
+            )
+        )
+    summary = Text.assemble("overall: ", _styled(report.severity))
+    parts.append(summary)
+    for problem in report.problems:
+        parts.append(Text(f"  - {problem}", style=_COLOURS.get(report.severity, "")))
+    return Group(*parts)
+
+
+async def _observe(monitor: Monitor, samples: int, interval_s: float) -> Report:
+    report = await monitor.collect()
+    for _ in range(samples - 1):
+        await asyncio.sleep(interval_s)
+        report = await monitor.collect()
+    return report
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``lag`` and ``exporter`` to the ``edgefeed`` command."""
+
+    @app.command("lag")
+    def lag_cmd(
+        ctx: typer.Context,
+        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+        watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place.")] = False,
+        interval: Annotated[float, typer.Option(help="Seconds between observations.")] = 2.0,
+        samples: Annotated[
+            int, typer.Option(help="Observations taken before a one-shot report (1 or more).")
+        ] = 3,
+        group: GroupOpt = None,
+        window: WindowOpt = 10,
+        min_interval: MinIntervalOpt = 1.0,
+        freshness_budget: BudgetOpt = 5.0,
+        slot_wal_bound: WalOpt = 1024**3,
+        sample_size: SampleOpt = 20,
+    ) -> None:
+        """Consumer lag (messages, seconds, Burrow status), region freshness, slots, connectors."""
+        settings = settings_of(ctx)
+        if samples < 1 or interval <= 0:
+            raise typer.BadParameter("--samples must be >= 1 and --interval > 0")
+        config = run_reported(
+            lambda: build_config(
+                settings,
+                groups=group,
+                window=window,
+                min_interval_s=min(min_interval, interval),
+                freshness_budget_s=freshness_budget,
+                slot_wal_bound_bytes=slot_wal_bound,
+                sample_size=sample_size,
+            )
+        )
+        monitor = Monitor(config)
+        if not watch:
+            report = asyncio.run(_observe(monitor, samples, interval))
+            if as_json:
+                typer.echo(json.dumps(report.as_dict(), indent=2))
+            else:
+                console.print(render(report))
+            raise typer.Exit(EXIT_CODES[report.severity])
+        raise typer.Exit(asyncio.run(_watch(monitor, interval, as_json)))
+
+    @app.command("exporter")
+    def exporter_cmd(
+        ctx: typer.Context,
+        host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+        port: Annotated[
+            int, typer.Option(help="Port of /metrics.", envvar="EDGEFEED_EXPORTER_PORT")
+        ] = 9308,
+        interval: Annotated[float, typer.Option(help="Seconds between collections.")] = 15.0,
+        group: GroupOpt = None,
+        window: WindowOpt = 10,
+        freshness_budget: BudgetOpt = 5.0,
+        slot_wal_bound: WalOpt = 1024**3,
+        sample_size: SampleOpt = 20,
+    ) -> None:
+        """Serve Prometheus metrics (kafka_exporter names plus edgefeed_*) on /metrics."""
+        settings = settings_of(ctx)
+        config = run_reported(
+            lambda: build_config(
+                settings,
+                groups=group,
+                window=window,
+                min_interval_s=min(1.0, interval),
+                freshness_budget_s=freshness_budget,
+                slot_wal_bound_bytes=slot_wal_bound,
+                sample_size=sample_size,
+            )
+        )
+
+        def ready(bound: int) -> None:
+            console.print(f"serving metrics on http://{host}:{bound}/metrics", highlight=False)
+
+        async def main() -> None:
+            import signal
+
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+
+            await serve(
+                Monitor(config),
+                host=host,
+                port=port,
+                interval_s=interval,
+                stop=stop,
+                on_ready=ready,
+            )
+
+        run_reported(lambda: asyncio.run(main()))
+
+
+async def _watch(monitor: Monitor, interval_s: float, as_json: bool) -> int:
+    severity = "OK"
+    try:
+        if as_json:
+            while True:
+                report = await monitor.collect()
+                severity = report.severity
+                typer.echo(json.dumps(report.as_dict()))
+                await asyncio.sleep(interval_s)
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                started = time.monotonic()
+                report = await monitor.collect()
+                severity = report.severity
+                live.update(render(report), refresh=True)
+                await asyncio.sleep(max(interval_s - (time.monotonic() - started), 0.0))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+    return EXIT_CODES[severity]

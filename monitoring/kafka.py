@@ -1,0 +1,213 @@
+"""Read consumer group offsets, partition offsets and record timestamps from Kafka.
+
+One admin client and one group-less consumer per round. The committed offsets
+are fetched with explicit partitions (every partition of every non-internal
+topic): Kafka answers ``-1`` where a group has none, and some Kafka-protocol
+brokers (Tansu) cannot answer the "all partitions" form. Lag in seconds comes
+from the timestamp of the next unconsumed record, fetched by seeking a
+group-less consumer to the committed offset: it is read, not estimated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from monitoring.exceptions import SourceUnavailableError
+
+__all__ = ["GroupOffsets", "KafkaSnapshot", "read_kafka"]
+
+TopicPartitionKey = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOffsets:
+    """A group's coordinator state, live members (None: unknown) and committed offsets."""
+
+    group: str
+    state: str
+    members: int | None
+    committed: dict[TopicPartitionKey, int]
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaSnapshot:
+    """One read of the cluster.
+
+    Attributes:
+        at: When (seconds since the epoch) the offsets were read.
+        oldest: First offset still stored, per partition.
+        end: End offset (high watermark), per partition.
+        groups: The selected groups.
+        next_timestamp_ms: ``(group, topic, partition) -> timestamp`` (ms) of the
+            record at the group's committed offset, where it lags.
+        brokers: Brokers in the cluster metadata.
+    """
+
+    at: float
+    oldest: dict[TopicPartitionKey, int]
+    end: dict[TopicPartitionKey, int]
+    groups: tuple[GroupOffsets, ...]
+    next_timestamp_ms: dict[tuple[str, str, int], int]
+    brokers: int
+
+
+def _is_internal(topic: str) -> bool:
+    # __consumer_offsets, __transaction_state, Connect's and Schema Registry's own topics.
+    return topic.startswith("_")
+
+
+async def read_kafka(
+    bootstrap_servers: Sequence[str],
+    *,
+    select_group: Callable[[str], bool],
+    client_id: str = "edgefeed-monitor",
+    request_timeout_ms: int = 10_000,
+    fetch_deadline_s: float = 3.0,
+) -> KafkaSnapshot:
+    """Read offsets and next-record timestamps of the groups ``select_group`` accepts.
+
+    Raises:
+        SourceUnavailableError: the cluster could not be reached or refused a request.
+    """
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaError
+
+    servers = ",".join(bootstrap_servers)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=servers, client_id=client_id, request_timeout_ms=request_timeout_ms
+    )
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=servers,
+        client_id=client_id,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+        max_partition_fetch_bytes=64 * 1024,
+        request_timeout_ms=request_timeout_ms,
+    )
+    try:
+        await admin.start()
+        await consumer.start()
+        return await _read(admin, consumer, select_group, fetch_deadline_s)
+    except KafkaError as exc:
+        raise SourceUnavailableError(
+            "kafka",
+            f"cannot read offsets from {servers} ({type(exc).__name__}: {exc}); is the "
+            "broker running and kafka.bootstrap_servers right?",
+        ) from None
+    except OSError as exc:
+        raise SourceUnavailableError(
+            "kafka", f"cannot reach {servers} ({exc.strerror or exc})"
+        ) from None
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
+async def _read(
+    admin: Any,
+    consumer: Any,
+    select_group: Callable[[str], bool],
+    fetch_deadline_s: float,
+) -> KafkaSnapshot:
+    from aiokafka import TopicPartition
+    from aiokafka.errors import KafkaError
+
+    group_ids = sorted(
+        {str(entry[0]) for entry in await admin.list_consumer_groups() if select_group(entry[0])}
+    )
+    topics = sorted(t for t in await admin.list_topics() if not _is_internal(t))
+    tps: list[Any] = []
+    if topics:
+        for described in await admin.describe_topics(topics):
+            if described.get("error_code", 0):
+                continue
+            for part in described["partitions"]:
+                tps.append(TopicPartition(described["topic"], int(part["partition"])))
+    at = time.time()
+    end_raw = await consumer.end_offsets(tps) if tps else {}
+    oldest_raw = await consumer.beginning_offsets(tps) if tps else {}
+    end = {(tp.topic, tp.partition): int(v) for tp, v in end_raw.items()}
+    oldest = {(tp.topic, tp.partition): int(v) for tp, v in oldest_raw.items()}
+
+    # One group per DescribeGroups request: some Kafka-protocol brokers (Tansu)
+    # answer a multi-group request with a response clients cannot decode.
+    states: dict[str, tuple[str, int | None]] = {}
+    for group_id in group_ids:
+        try:
+            response = (await admin.describe_consumer_groups([group_id]))[0]
+        except KafkaError:
+            continue  # membership unknown: the status rules then assume a live member
+        for entry in response.groups:
+            # (error_code, group, state, protocol_type, protocol, members, ...)
+            states[str(entry[1])] = (str(entry[2]), len(entry[5]))
+
+    groups: list[GroupOffsets] = []
+    for group_id in group_ids:
+        committed: dict[TopicPartitionKey, int] = {}
+        if tps:
+            offsets = await admin.list_consumer_group_offsets(group_id, partitions=tps)
+            for tp, meta in offsets.items():
+                if meta.offset >= 0:
+                    committed[(tp.topic, tp.partition)] = int(meta.offset)
+        state, members = states.get(group_id, ("Unknown", None))
+        groups.append(GroupOffsets(group_id, state, members, committed))
+
+    wanted: dict[TopicPartitionKey, set[int]] = {}
+    for g in groups:
+        for key, offset in g.committed.items():
+            if key in end and offset < end[key]:
+                wanted.setdefault(key, set()).add(max(offset, oldest.get(key, 0)))
+    found = await _timestamps_at(consumer, wanted, fetch_deadline_s)
+    next_ts: dict[tuple[str, str, int], int] = {}
+    for g in groups:
+        for key, offset in g.committed.items():
+            ts = found.get((key, max(offset, oldest.get(key, 0))))
+            if ts is not None and offset < end.get(key, 0):
+                next_ts[(g.group, key[0], key[1])] = ts
+    cluster = await admin.describe_cluster()
+    brokers = len(cluster.get("brokers", ()))
+    return KafkaSnapshot(at, oldest, end, tuple(groups), next_ts, brokers)
+
+
+async def _timestamps_at(
+    consumer: Any, wanted: dict[TopicPartitionKey, set[int]], deadline_s: float
+) -> dict[tuple[TopicPartitionKey, int], int]:
+    """Timestamp (ms) of the first record at or after each wanted offset.
+
+    A consumer has one position per partition, so partitions wanted at several
+    offsets (several groups) are read in rounds.
+    """
+    from aiokafka import TopicPartition
+
+    pending = {key: sorted(offsets) for key, offsets in wanted.items() if offsets}
+    found: dict[tuple[TopicPartitionKey, int], int] = {}
+    while pending:
+        round_ = {key: offsets.pop(0) for key, offsets in pending.items()}
+        pending = {key: offsets for key, offsets in pending.items() if offsets}
+        tps = {TopicPartition(t, p): (t, p) for t, p in round_}
+        consumer.assign(list(tps))
+        for tp, key in tps.items():
+            consumer.seek(tp, round_[key])
+        waiting = set(tps)
+        deadline = time.monotonic() + deadline_s
+        while waiting and time.monotonic() < deadline:
+            batch = await consumer.getmany(*waiting, timeout_ms=200)
+            for tp, records in batch.items():
+                key = tps[tp]
+                for record in records:
+                    if record.offset >= round_[key]:
+                        if record.timestamp is not None and record.timestamp >= 0:
+                            found[(key, round_[key])] = int(record.timestamp)
+                        waiting.discard(tp)
+                        consumer.pause(tp)
+                        break
+            await asyncio.sleep(0)
+        consumer.resume(*tps)
+    return found

@@ -1,0 +1,519 @@
+"""The monitor: one collection round over Kafka, the region caches and the CDC source.
+
+:class:`Monitor` keeps the offset history between rounds (the Burrow window),
+so ``edgefeed lag --watch`` and the exporter judge each group on how its
+offsets moved, and a one-shot ``edgefeed lag`` takes a few observations first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from connectors.client import ConnectorStatus
+from monitoring.cdc import SlotRow, read_connectors, read_slots
+from monitoring.exceptions import MonitoringConfigError, SourceUnavailableError
+from monitoring.freshness import RegionTimes, read_region
+from monitoring.kafka import KafkaSnapshot, read_kafka
+from monitoring.model import (
+    ConnectorReport,
+    EntityFreshness,
+    GroupReport,
+    KafkaReport,
+    PartitionLag,
+    RegionReport,
+    RegionState,
+    Report,
+    SlotReport,
+    TaskReport,
+    TopicOffsets,
+)
+from monitoring.status import (
+    SEVERITY_OF,
+    Observation,
+    OffsetHistory,
+    Series,
+    Severity,
+    evaluate_partition,
+    worst,
+    worst_severity,
+)
+
+__all__ = [
+    "DEADLETTER_TOPIC",
+    "ROUTER_GROUP",
+    "Monitor",
+    "MonitorConfig",
+    "RegionTarget",
+    "SourceTarget",
+    "region_group",
+]
+
+ROUTER_GROUP = "edgefeed-router"
+REGION_GROUP_PREFIX = "edgefeed-region-"
+REGION_TOPIC_PREFIX = "edgefeed.region"
+DEADLETTER_TOPIC = "edgefeed.deadletter"
+
+
+def region_group(region: str) -> str:
+    """The consumer group of a region's pipeline worker."""
+    return f"{REGION_GROUP_PREFIX}{region}"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionTarget:
+    name: str
+    redis_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class SourceTarget:
+    """A declared CDC source: its connector and its replication slot."""
+
+    name: str
+    connector: str
+    slot: str
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorConfig:
+    """What to watch and the bounds to judge by.
+
+    Attributes:
+        bootstrap_servers: Kafka brokers.
+        regions: Region caches.
+        sources: Declared CDC sources.
+        database_dsn: libpq DSN of the source database; None skips the slots.
+        connect_url: Kafka Connect REST URL; None skips the connectors.
+        groups: Only these consumer groups; empty: the router's, every
+            region's and any other ``edgefeed-*`` group.
+        deadletter_topic: The pipeline's dead-letter topic.
+        router_group: The router's consumer group (its Faust app id).
+        region_group_prefix: A region's group is this prefix plus its name.
+        region_topic_prefix: A region's change topic is ``<prefix>.<region>``.
+        window: Observations per partition the status rules look at.
+        min_interval_s: Observations closer than this to the previous one
+            replace it (Burrow's ``min-distance``), so rapid rounds do not
+            judge a consumer over a few milliseconds.
+        freshness_budget_s: A region is STALE past this with messages pending.
+        slot_wal_bound_bytes: Retained WAL past this is an error.
+        sample_size: Vectors sampled per region.
+        secrets: Values never shown (the database password).
+    """
+
+    bootstrap_servers: tuple[str, ...]
+    regions: tuple[RegionTarget, ...] = ()
+    sources: tuple[SourceTarget, ...] = ()
+    database_dsn: str | None = None
+    connect_url: str | None = None
+    groups: tuple[str, ...] = ()
+    deadletter_topic: str = DEADLETTER_TOPIC
+    router_group: str = ROUTER_GROUP
+    region_group_prefix: str = REGION_GROUP_PREFIX
+    region_topic_prefix: str = REGION_TOPIC_PREFIX
+    window: int = 10
+    min_interval_s: float = 1.0
+    freshness_budget_s: float = 5.0
+    slot_wal_bound_bytes: int = 1024**3
+    sample_size: int = 20
+    timeout_s: float = 10.0
+    client_id: str = "edgefeed-monitor"
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise MonitoringConfigError(f"window {self.window} must be at least 2 observations")
+        if self.freshness_budget_s <= 0:
+            raise MonitoringConfigError(
+                f"freshness budget {self.freshness_budget_s}s must be positive"
+            )
+        if self.slot_wal_bound_bytes <= 0:
+            raise MonitoringConfigError(
+                f"slot WAL bound {self.slot_wal_bound_bytes} bytes must be positive"
+            )
+        if self.sample_size < 0:
+            raise MonitoringConfigError(f"sample size {self.sample_size} must be 0 or more")
+
+    def selects(self, group: str) -> bool:
+        if self.groups:
+            return group in self.groups
+        return group.startswith(("edgefeed-", self.router_group, self.region_group_prefix))
+
+    @property
+    def expected_groups(self) -> tuple[str, ...]:
+        if self.groups:
+            return self.groups
+        return (
+            self.router_group,
+            *(f"{self.region_group_prefix}{r.name}" for r in self.regions),
+        )
+
+
+class Monitor:
+    """Collects rounds and keeps the history that the status rules need."""
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self.history = OffsetHistory(
+            window=config.window, max_age_s=3600.0, min_interval_s=config.min_interval_s
+        )
+        self._topic_history: dict[Any, Series] = {}
+        self._group_history: dict[Any, Series] = {}
+        self._deadletters = Series(config.window, config.min_interval_s)
+
+    async def collect(self) -> Report:
+        """One round: everything read concurrently, then judged."""
+        config = self.config
+        kafka_task = read_kafka(
+            config.bootstrap_servers,
+            select_group=config.selects,
+            client_id=config.client_id,
+            request_timeout_ms=int(config.timeout_s * 1000),
+        )
+        region_tasks = [
+            read_region(
+                r.name, r.redis_url, sample_size=config.sample_size, timeout_s=config.timeout_s
+            )
+            for r in config.regions
+        ]
+        slot_task = (
+            read_slots(config.database_dsn, timeout_s=config.timeout_s)
+            if config.database_dsn
+            else _nothing()
+        )
+        connect_task = (
+            read_connectors(
+                config.connect_url,
+                [s.connector for s in config.sources],
+                timeout_s=config.timeout_s,
+                secrets=config.secrets,
+            )
+            if config.connect_url
+            else _nothing()
+        )
+        results = await asyncio.gather(
+            kafka_task, slot_task, connect_task, *region_tasks, return_exceptions=True
+        )
+        now = time.time()
+        kafka_result, slot_result, connect_result, *region_results = results
+        kafka = self._kafka_report(kafka_result, now)
+        regions = tuple(
+            self._region_report(target, result, kafka, now)
+            for target, result in zip(config.regions, region_results, strict=True)
+        )
+        slots, cdc_error = self._slot_reports(slot_result)
+        connectors, connect_error = self._connector_reports(connect_result)
+        problems = self._problems(kafka, regions, slots, connectors, cdc_error, connect_error)
+        severities: list[Severity] = [g.severity for g in kafka.groups]
+        severities += [r.severity for r in regions]
+        severities += [s.severity for s in slots]
+        severities += [c.severity for c in connectors]
+        if kafka.error or cdc_error or connect_error:
+            severities.append("ERR")
+        if kafka.deadletters_new:
+            severities.append("WARN")
+        return Report(
+            at=now,
+            kafka=kafka,
+            regions=regions,
+            slots=slots,
+            connectors=connectors,
+            severity=worst_severity(severities),
+            problems=problems,
+            cdc_error=cdc_error,
+            connect_error=connect_error,
+        )
+
+    # -- Kafka --------------------------------------------------------------------------
+
+    def _kafka_report(self, result: object, now: float) -> KafkaReport:
+        topic = self.config.deadletter_topic
+        if isinstance(result, BaseException):
+            if not isinstance(result, SourceUnavailableError):
+                raise result
+            return KafkaReport((), (), 0, topic, None, None, error=str(result))
+        snap = cast(KafkaSnapshot, result)
+        topics: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
+        for (name, partition), end in snap.end.items():
+            oldest, ends = topics.setdefault(name, ({}, {}))
+            ends[partition] = end
+            oldest[partition] = snap.oldest.get((name, partition), 0)
+        topic_reports = []
+        for name in sorted(topics):
+            oldest, ends = topics[name]
+            rate = self._rate(self._topic_history, name, snap.at, sum(ends.values()))
+            topic_reports.append(TopicOffsets(name, oldest, ends, rate))
+
+        seen_keys: list[tuple[str, str, int]] = []
+        groups = []
+        found = {g.group: g for g in snap.groups}
+        names = sorted(set(found) | set(self.config.expected_groups))
+        for name in names:
+            offsets = found.get(name)
+            if offsets is None:
+                groups.append(
+                    GroupReport(name, self._region_of(name), "Dead", 0, "NOTFOUND", "WARN", ())
+                )
+                continue
+            partitions = []
+            per_topic: dict[str, int] = {}
+            for (topic_name, partition), committed in sorted(offsets.committed.items()):
+                end_offset = snap.end.get((topic_name, partition))
+                if end_offset is None:
+                    continue
+                lag = max(end_offset - committed, 0)
+                self.history.add(name, topic_name, partition, Observation(snap.at, committed, lag))
+                seen_keys.append((name, topic_name, partition))
+                window = self.history.window_of(name, topic_name, partition, snap.at)
+                status, reason = evaluate_partition(
+                    window,
+                    current_lag=lag,
+                    has_members=offsets.members is None or offsets.members > 0,
+                    min_span_s=self.config.min_interval_s,
+                )
+                ts = snap.next_timestamp_ms.get((name, topic_name, partition))
+                lag_seconds = 0.0 if lag == 0 else (max(now - ts / 1000, 0.0) if ts else None)
+                partitions.append(
+                    PartitionLag(
+                        topic_name,
+                        partition,
+                        committed,
+                        end_offset,
+                        lag,
+                        lag_seconds,
+                        status,
+                        reason,
+                    )
+                )
+                per_topic[topic_name] = per_topic.get(topic_name, 0) + committed
+            rates = {
+                t: r
+                for t, total in per_topic.items()
+                if (r := self._rate(self._group_history, (name, t), snap.at, total)) is not None
+            }
+            status = worst(p.status for p in partitions) if partitions else "NOTFOUND"
+            groups.append(
+                GroupReport(
+                    group=name,
+                    region=self._region_of(name),
+                    state=offsets.state,
+                    members=offsets.members,
+                    status=status,
+                    severity=SEVERITY_OF[status],
+                    partitions=tuple(partitions),
+                    consume_rate=rates,
+                )
+            )
+        self.history.forget_except(seen_keys)
+
+        dead = topics.get(topic)
+        deadletters = sum(dead[1].values()) if dead else None
+        new = None
+        if deadletters is not None:
+            self._deadletters.add(snap.at, deadletters)
+            new = self._deadletters.increase()
+        return KafkaReport(
+            groups=tuple(groups),
+            topics=tuple(topic_reports),
+            brokers=snap.brokers,
+            deadletter_topic=topic,
+            deadletters=deadletters,
+            deadletters_new=new,
+        )
+
+    def _rate(self, store: dict[Any, Series], key: Any, at: float, total: int) -> float | None:
+        series = store.get(key)
+        if series is None:
+            series = store[key] = Series(self.config.window, self.config.min_interval_s)
+        series.add(at, total)
+        return series.rate()
+
+    # -- regions ------------------------------------------------------------------------
+
+    def _region_report(
+        self, target: RegionTarget, result: object, kafka: KafkaReport, now: float
+    ) -> RegionReport:
+        pending = self._pending(kafka, target.name)
+        if isinstance(result, BaseException):
+            if not isinstance(result, SourceUnavailableError):
+                raise result
+            return RegionReport(target.name, "DOWN", "ERR", None, pending, (), error=str(result))
+        entities = []
+        for e in cast(RegionTimes, result).entities:
+            sample = [now - us / 1e6 for us in e.sample_commit_us]
+            entities.append(
+                EntityFreshness(
+                    entity=e.entity,
+                    freshness_seconds=None if e.commit_us is None else now - e.commit_us / 1e6,
+                    write_delay_seconds=(
+                        None
+                        if e.commit_us is None or e.write_us is None
+                        else (e.write_us - e.commit_us) / 1e6
+                    ),
+                    lsn=e.lsn,
+                    sampled=len(sample),
+                    sample_oldest_seconds=max(sample) if sample else None,
+                    sample_newest_seconds=min(sample) if sample else None,
+                )
+            )
+        ages = [e.freshness_seconds for e in entities if e.freshness_seconds is not None]
+        freshness = min(ages) if ages else None
+        budget = self.config.freshness_budget_s
+        state: RegionState
+        severity: Severity
+        if freshness is None:
+            state, severity = "NODATA", "WARN"
+        elif freshness <= budget:
+            state, severity = "OK", "OK"
+        elif pending:
+            state, severity = "STALE", "ERR"
+        else:
+            state, severity = "IDLE", "OK"
+        return RegionReport(
+            target.name,
+            state,
+            severity,
+            freshness,
+            pending,
+            tuple(entities),
+        )
+
+    # -- CDC ----------------------------------------------------------------------------
+
+    def _slot_reports(self, result: object) -> tuple[tuple[SlotReport, ...], str | None]:
+        if result is None:
+            return (), None
+        if isinstance(result, BaseException):
+            if not isinstance(result, SourceUnavailableError):
+                raise result
+            return (), str(result)
+        rows: Sequence[SlotRow] = result  # type: ignore[assignment]
+        owners = {s.slot: s.name for s in self.config.sources}
+        bound = self.config.slot_wal_bound_bytes
+        reports = []
+        for row in rows:
+            retained = row.retained_wal_bytes or 0
+            severity: Severity
+            if retained > bound:
+                severity, reason = "ERR", f"retains {retained} bytes of WAL, over {bound}"
+            elif row.wal_status in ("lost", "unreserved"):
+                severity, reason = (
+                    "ERR",
+                    f"wal_status {row.wal_status}: WAL needed is being removed",
+                )
+            elif not row.active:
+                severity, reason = "WARN", "inactive: nothing reads it, WAL accumulates"
+            else:
+                severity, reason = "OK", "active"
+            reports.append(
+                SlotReport(
+                    slot=row.slot,
+                    plugin=row.plugin,
+                    slot_type=row.slot_type,
+                    database=row.database,
+                    active=row.active,
+                    retained_wal_bytes=row.retained_wal_bytes,
+                    flush_lag_bytes=row.flush_lag_bytes,
+                    wal_status=row.wal_status,
+                    source=owners.get(row.slot),
+                    severity=severity,
+                    reason=reason,
+                )
+            )
+        return tuple(reports), None
+
+    def _connector_reports(self, result: object) -> tuple[tuple[ConnectorReport, ...], str | None]:
+        if result is None:
+            return (), None
+        if isinstance(result, BaseException):
+            if not isinstance(result, SourceUnavailableError):
+                raise result
+            return (), str(result)
+        statuses: dict[str, ConnectorStatus | None] = result  # type: ignore[assignment]
+        reports = []
+        for name, status in statuses.items():
+            if status is None:
+                reports.append(
+                    ConnectorReport(name, "ABSENT", (), "declared but not deployed", "ERR")
+                )
+                continue
+            tasks = tuple(TaskReport(t.id, t.state, t.worker_id, t.cause) for t in status.tasks)
+            severity: Severity
+            if status.failed:
+                severity = "ERR"
+            elif status.running:
+                severity = "OK"
+            else:
+                severity = "WARN"
+            reports.append(ConnectorReport(name, status.state, tasks, status.failure(), severity))
+        return tuple(reports), None
+
+    def _region_of(self, group: str) -> str | None:
+        prefix = self.config.region_group_prefix
+        return group[len(prefix) :] or None if group.startswith(prefix) else None
+
+    def _pending(self, kafka: KafkaReport, region: str) -> int | None:
+        """Messages waiting for ``region``: the router's lag, plus the region's topic
+        beyond its group's committed offsets (all of it where the group never committed)."""
+        if kafka.error:
+            return None
+        router = next((g for g in kafka.groups if g.group == self.config.router_group), None)
+        total = router.lag if router else 0
+        topic_name = f"{self.config.region_topic_prefix}.{region}"
+        topic = next((t for t in kafka.topics if t.topic == topic_name), None)
+        if topic is None:
+            return total
+        group_name = f"{self.config.region_group_prefix}{region}"
+        group = next((g for g in kafka.groups if g.group == group_name), None)
+        committed = {
+            p.partition: p.lag or 0
+            for p in (group.partitions if group else ())
+            if p.topic == topic_name
+        }
+        for partition, end in topic.end.items():
+            if partition in committed:
+                total += committed[partition]
+            else:
+                total += max(end - topic.oldest.get(partition, 0), 0)
+        return total
+
+    @staticmethod
+    def _problems(
+        kafka: KafkaReport,
+        regions: Sequence[RegionReport],
+        slots: Sequence[SlotReport],
+        connectors: Sequence[ConnectorReport],
+        cdc_error: str | None,
+        connect_error: str | None,
+    ) -> tuple[str, ...]:
+        problems = [e for e in (kafka.error, cdc_error, connect_error) if e]
+        for g in kafka.groups:
+            if g.severity != "OK":
+                bad = next((p for p in g.partitions if p.status == g.status), None)
+                where = f" {bad.topic}[{bad.partition}]: {bad.reason}" if bad else ""
+                problems.append(f"group {g.group} {g.status}{where}")
+        for r in regions:
+            if r.severity != "OK":
+                problems.append(
+                    f"region {r.region} {r.state}" + (f": {r.error}" if r.error else "")
+                )
+        for s in slots:
+            if s.severity != "OK":
+                problems.append(f"slot {s.slot}: {s.reason}")
+        for c in connectors:
+            if c.severity != "OK":
+                problems.append(
+                    f"connector {c.name} {c.state}" + (f": {c.failure}" if c.failure else "")
+                )
+        if kafka.deadletters_new:
+            problems.append(
+                f"{kafka.deadletters_new} new dead letter(s) on {kafka.deadletter_topic}"
+            )
+        return tuple(problems)
+
+
+async def _nothing() -> None:
+    return None

@@ -1,0 +1,219 @@
+"""docker-compose.yml, the Prometheus rules and the Grafana dashboard agree with the code."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+import pytest
+import typer
+import yaml
+from jsonschema import Draft202012Validator
+
+from edgefeed.cli import app
+from edgefeed.settings import EdgefeedSettings, load_settings
+from monitoring import METRIC_NAMES
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPOSE = ROOT / "docker-compose.yml"
+SCHEMA = ROOT / "tests" / "data" / "compose-spec" / "compose-spec.json"
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rest>[^}]*)\}")
+
+
+def env_example() -> dict[str, str]:
+    pairs = {}
+    for line in (ROOT / ".env.example").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+@pytest.fixture(scope="module")
+def settings() -> EdgefeedSettings:
+    return load_settings(ROOT / "deploy" / "edgefeed.compose.yaml", env=env_example())
+
+
+def test_compose_file_is_valid_against_the_compose_specification(
+    compose: dict[str, Any],
+) -> None:
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(Draft202012Validator(schema).iter_errors(compose), key=str)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_no_secret_inline_and_every_variable_in_env_example(compose: dict[str, Any]) -> None:
+    text = COMPOSE.read_text()
+    example = env_example()
+    for match in _VAR.finditer(text):
+        rest = match.group("rest")
+        if rest.startswith(":") and not rest.startswith((":-", ":?")):
+            continue  # a Connect config-provider reference, ${env:NAME}, not compose's
+        if not rest.startswith(":-"):
+            assert match.group("name") in example, f"${{{match.group('name')}}} not in .env.example"
+    for name, service in compose["services"].items():
+        for key, value in (service.get("environment") or {}).items():
+            if any(word in key.upper() for word in ("PASSWORD", "SECRET", "TOKEN")):
+                assert str(value).startswith("${"), f"{name}: {key} is inline"
+
+
+def test_every_bind_mount_and_build_file_exists(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+    dockerfile = (ROOT / "deploy" / "edgefeed.Dockerfile").read_text()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_every_service_has_a_healthcheck_or_is_a_one_shot_and_waits_on_conditions(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        for dep, condition in (service.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            wanted = condition["condition"]
+            if wanted == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits on {dep}'s health"
+    for infra in ("kafka", "postgres", "connect", "redis-eu-west", "exporter", "prometheus"):
+        assert "healthcheck" in services[infra]
+
+
+def test_settings_agree_with_the_services(
+    compose: dict[str, Any], settings: EdgefeedSettings
+) -> None:
+    services = compose["services"]
+    kafka_env = services["kafka"]["environment"]
+    assert kafka_env["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
+    advertised = kafka_env["KAFKA_ADVERTISED_LISTENERS"].split("//", 1)[1]
+    assert settings.kafka.bootstrap_servers == [advertised]
+    assert services["connect"]["environment"]["BOOTSTRAP_SERVERS"] == advertised
+    connect = urlsplit(settings.connect.url)
+    assert connect.hostname == "connect" and connect.port == 8083
+    pg = services["postgres"]
+    assert "wal_level=logical" in pg["command"]
+    assert settings.database.host == "postgres" and settings.database.port == 5432
+    assert pg["environment"]["POSTGRES_DB"] == settings.database.dbname
+    assert pg["environment"]["POSTGRES_USER"] == settings.database.user
+    # The password travels by name: both edgefeed and Connect have the variable.
+    assert settings.database.password_env == "EDGEFEED_PG_PASSWORD"
+    assert "EDGEFEED_PG_PASSWORD" in services["connect"]["environment"]
+    assert services["connect"]["environment"]["CONNECT_CONFIG_PROVIDERS"] == "env"
+    for region in settings.regions:
+        url = urlsplit(region.redis_url)
+        assert url.hostname == f"redis-{region.name}" and url.port == 6379
+        assert url.hostname in services
+        worker = services[f"worker-{region.name}"]
+        assert worker["command"] == ["pipeline", "run", "--region", region.name]
+        assert f"redis-{region.name}" in worker["depends_on"]
+        assert worker["environment"]["EDGEFEED_SETTINGS"] == "/etc/edgefeed/edgefeed.yaml"
+    assert services["router"]["command"] == ["pipeline", "run", "--role", "router"]
+    gpu = services["model-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert "gpu" in gpu["capabilities"]
+
+
+def test_compose_settings_run_the_shop_example_pipeline(settings: EdgefeedSettings) -> None:
+    from edgefeed.pipeline_config import pipeline_config
+
+    example = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
+    assert settings.sources == example.sources
+    assert settings.entities == example.entities
+    assert settings.pipeline == example.pipeline
+    config = pipeline_config(settings, check_database=False)  # what router and workers build
+    assert [r.name for r in config.regions] == ["eu-west", "us-east", "ap-southeast"]
+
+
+def test_prometheus_scrapes_the_exporter_where_it_listens(compose: dict[str, Any]) -> None:
+    exporter = compose["services"]["exporter"]
+    command = exporter["command"]
+    port = command[command.index("--port") + 1]
+    assert any(p.endswith(f":{port}") for p in exporter["ports"])
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == [f"exporter:{port}"]
+
+
+def _resolves(args: list[str]) -> bool:
+    command: Any = typer.main.get_command(app)
+    ctx = click.Context(command)
+    for arg in args:
+        # typer vendors its own click: a group is whatever has sub-commands.
+        if not hasattr(command, "get_command") or arg.startswith("-"):
+            break
+        sub = command.get_command(ctx, arg)
+        if sub is None:
+            return False
+        command = sub
+    params = {opt for p in command.params for opt in getattr(p, "opts", [])}
+    return all(a in params for a in args if a.startswith("--"))
+
+
+def _edgefeed_services() -> list[Any]:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    cases = []
+    for name, service in sorted(services.items()):
+        if str(service.get("image", "")).startswith("${EDGEFEED_IMAGE"):
+            marks = ()
+            if name == "model-worker":
+                # `edgefeed workers serve` arrives with the workers branch; strict: this
+                # fails as soon as the command exists, to drop the mark.
+                marks = (pytest.mark.xfail(strict=True, reason="workers CLI not merged yet"),)
+            cases.append(pytest.param(name, service["command"], id=name, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "command"), _edgefeed_services())
+def test_every_edgefeed_service_runs_a_real_command(name: str, command: list[str]) -> None:
+    assert _resolves(command), f"{name}: `edgefeed {' '.join(command)}` is not a CLI command"
+
+
+def _metric_names(expr: str) -> set[str]:
+    import promql_parser
+
+    promql_parser.parse(expr)  # raises on a query Prometheus would reject
+    return set(re.findall(r"\b((?:kafka|edgefeed)_[a-z0-9_]+)\b", expr))
+
+
+def test_alert_rules_and_dashboard_use_metrics_the_exporter_emits() -> None:
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+    for wanted in (
+        "EdgefeedConsumerLagGrowing",
+        "EdgefeedFreshnessOverBudget",
+        "EdgefeedReplicationSlotWalOverBound",
+        "EdgefeedConnectorTaskFailed",
+        "EdgefeedDeadLettersRising",
+    ):
+        assert wanted in alerts
+    used = set()
+    for rule in alerts.values():
+        used |= _metric_names(rule["expr"])
+    dashboard = json.loads(
+        (ROOT / "deploy" / "grafana" / "dashboards" / "edgefeed.json").read_text()
+    )
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= _metric_names(target["expr"])
+    assert used, "no metric referenced"
+    assert used <= set(METRIC_NAMES), sorted(used - set(METRIC_NAMES))
+    provider = yaml.safe_load(
+        (ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "edgefeed.yml").read_text()
+    )
+    grafana = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]
+    mounted = {v.split(":")[1] for v in grafana["volumes"]}
+    assert provider["providers"][0]["options"]["path"] in mounted
