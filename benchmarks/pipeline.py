@@ -60,7 +60,7 @@ EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 
 def free_port() -> int:
     while True:
-        port = random.randrange(20000, 32000)  # noqa: S311
+        port = random.randrange(20000, 32000)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -75,16 +75,23 @@ def make_settings(partitions: int, tag: str) -> dict[str, Any]:
     eu = next(r for r in example["regions"] if r["name"] == "eu-west")
     eu.update(redis_url=f"redis://127.0.0.1:{free_port()}/0", failover=[])
     return {
-        "kafka": {"bootstrap_servers": f"127.0.0.1:{free_port()}", "session_timeout_ms": 6000,
-                  "fetch_max_wait_ms": 20},
+        "kafka": {
+            "bootstrap_servers": f"127.0.0.1:{free_port()}",
+            "session_timeout_ms": 6000,
+            "fetch_max_wait_ms": 20,
+        },
         "connect": {"url": f"http://127.0.0.1:{free_port()}", "timeout_s": 30},
-        "database": {"host": "127.0.0.1", "port": free_port(), "dbname": "edgefeed",
-                     "user": "postgres", "password": "bench-secret"},
+        "database": {
+            "host": "127.0.0.1",
+            "port": free_port(),
+            "dbname": "edgefeed",
+            "user": "postgres",
+            "password": "bench-secret",
+        },
         "regions": [eu],
         "sources": [{**example["sources"][0], "name": f"bench_{tag}", "snapshot_mode": "no_data"}],
         "entities": example["entities"],
-        "pipeline": {**example["pipeline"], "partitions": partitions,
-                     "app_prefix": f"bench-{tag}"},
+        "pipeline": {**example["pipeline"], "partitions": partitions, "app_prefix": f"bench-{tag}"},
     }
 
 
@@ -104,8 +111,9 @@ def plain_worker(settings_file: str, region: str) -> None:
     config = pipeline_config(settings, check_database=False)
     app = faust_app(settings.pipeline.region_app_id(region) + "-plain", config)
     engine = FeatureEngine(config.entities)
-    topic = app.topic(settings.pipeline.region_topic(region), key_serializer="raw",
-                      value_serializer="raw")
+    topic = app.topic(
+        settings.pipeline.region_topic(region), key_serializer="raw", value_serializer="raw"
+    )
     table = app.Table("entities", partitions=settings.pipeline.partitions, key_type=str)
     writer: dict[str, AsyncFeatureWriter] = {}
 
@@ -113,8 +121,9 @@ def plain_worker(settings_file: str, region: str) -> None:
     async def per_event(stream: Any) -> None:
         async for event in stream.events():
             if "w" not in writer:
-                writer["w"] = AsyncFeatureWriter.from_region(settings.region(region),
-                                                             engine.schemas)
+                writer["w"] = AsyncFeatureWriter.from_region(
+                    settings.region(region), engine.schemas
+                )
             message = json.loads(event.value)
             key = event.key.decode()
             entity = engine.engine(message["e"])
@@ -133,7 +142,7 @@ def plain_worker(settings_file: str, region: str) -> None:
 
 def scrape(port: int, name: str) -> dict[str, float]:
     """Prometheus samples of metric ``name`` (labels joined) from a worker."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:  # noqa: S310
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
         text = answer.read().decode()
     samples: dict[str, float] = {}
     for line in text.splitlines():
@@ -161,10 +170,16 @@ def regional_messages(settings: EdgefeedSettings, count: int) -> list[tuple[byte
     for i in range(count):
         lsn += 1
         user, item = rng.randrange(1, 301), rng.randrange(1, 101)
-        row = {"event_id": i + 1, "user_id": user, "item_id": item, "category_id": item % 12,
-               "price": "12.50", "home_region": "eu-west",
-               "kind": rng.choice(("view", "view", "click", "purchase")),
-               "occurred_at": base_us + i * 1000}
+        row = {
+            "event_id": i + 1,
+            "user_id": user,
+            "item_id": item,
+            "category_id": item % 12,
+            "price": "12.50",
+            "home_region": "eu-west",
+            "kind": rng.choice(("view", "view", "click", "purchase")),
+            "occurred_at": base_us + i * 1000,
+        }
         change = Change("public.events", "c", None, row, lsn, 0, base_us // 1000)
         for routed in router.route(change):
             if routed.key is not None:
@@ -172,17 +187,20 @@ def regional_messages(settings: EdgefeedSettings, count: int) -> list[tuple[byte
     return messages
 
 
-def throughput(settings: EdgefeedSettings, settings_file: Path, events: int,
-               state: Path) -> dict[str, float]:
+def throughput(
+    settings: EdgefeedSettings, settings_file: Path, events: int, state: Path
+) -> dict[str, float]:
     messages = regional_messages(settings, events)
     topic = settings.pipeline.region_topic("eu-west")
 
     async def fill() -> None:
-        await ensure_topics(settings.kafka.bootstrap_servers,
-                            {topic: settings.pipeline.partitions,
-                             settings.pipeline.dead_letter_topic: 1})
-        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap_servers,
-                                    linger_ms=5, max_batch_size=1 << 20)
+        await ensure_topics(
+            settings.kafka.bootstrap_servers,
+            {topic: settings.pipeline.partitions, settings.pipeline.dead_letter_topic: 1},
+        )
+        producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka.bootstrap_servers, linger_ms=5, max_batch_size=1 << 20
+        )
         await producer.start()
         try:
             for key, value in messages:
@@ -199,8 +217,19 @@ def throughput(settings: EdgefeedSettings, settings_file: Path, events: int,
         if variant == "plain":
             argv = [sys.executable, __file__, "--plain-worker", str(settings_file)]
         else:
-            argv = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run",
-                    "--region", "eu-west", "--metrics-port", str(port), "--loglevel", "warning"]
+            argv = [
+                EDGEFEED,
+                "--settings",
+                str(settings_file),
+                "pipeline",
+                "run",
+                "--region",
+                "eu-west",
+                "--metrics-port",
+                str(port),
+                "--loglevel",
+                "warning",
+            ]
         log = open(state / f"{variant}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -218,18 +247,38 @@ def throughput(settings: EdgefeedSettings, settings_file: Path, events: int,
                     break
                 time.sleep(0.05)
             if t_low is None or t_high is None:
-                raise SystemExit(f"{variant} worker did not get through the topic; see "
-                                 f"{state / (variant + '.log')}")
+                raise SystemExit(
+                    f"{variant} worker did not get through the topic; see "
+                    f"{state / (variant + '.log')}"
+                )
             results[variant] = (n_high - n_low) / (t_high - t_low)
             if variant == "edgefeed":
                 sizes = scrape(port, "edgefeed_pipeline_batch_size")
                 spent = scrape(port, "edgefeed_pipeline_batch_seconds")
-                count = next((v for k, v in sizes.items() if k.startswith(
-                    "edgefeed_pipeline_batch_size_count")), 0.0)
-                total_events = next((v for k, v in sizes.items() if k.startswith(
-                    "edgefeed_pipeline_batch_size_sum")), 0.0)
-                busy = next((v for k, v in spent.items() if k.startswith(
-                    "edgefeed_pipeline_batch_seconds_sum")), 0.0)
+                count = next(
+                    (
+                        v
+                        for k, v in sizes.items()
+                        if k.startswith("edgefeed_pipeline_batch_size_count")
+                    ),
+                    0.0,
+                )
+                total_events = next(
+                    (
+                        v
+                        for k, v in sizes.items()
+                        if k.startswith("edgefeed_pipeline_batch_size_sum")
+                    ),
+                    0.0,
+                )
+                busy = next(
+                    (
+                        v
+                        for k, v in spent.items()
+                        if k.startswith("edgefeed_pipeline_batch_seconds_sum")
+                    ),
+                    0.0,
+                )
                 results["mean_batch"] = total_events / count if count else 0.0
                 results["busy_share"] = busy * results[variant] / max(total_events, 1.0)
         finally:
@@ -248,7 +297,8 @@ def histogram_quantiles(port: int, region: str, quantiles: tuple[float, ...]) ->
     samples = scrape(port, "edgefeed_pipeline_freshness_seconds_bucket")
     buckets = sorted(
         (float("inf") if 'le="+Inf"' in k else float(k.split('le="')[1].split('"')[0]), v)
-        for k, v in samples.items() if f'region="{region}"' in k
+        for k, v in samples.items()
+        if f'region="{region}"' in k
     )
     total = buckets[-1][1] if buckets else 0.0
     out: dict[str, Any] = {"count": total}
@@ -282,8 +332,12 @@ class KafkaLatency(threading.Thread):
         asyncio.run(self._consume())
 
     async def _consume(self) -> None:
-        consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=self.bootstrap,
-                                    auto_offset_reset="latest", fetch_max_wait_ms=20)
+        consumer = AIOKafkaConsumer(
+            self.topic,
+            bootstrap_servers=self.bootstrap,
+            auto_offset_reset="latest",
+            fetch_max_wait_ms=20,
+        )
         await consumer.start()
         try:
             while not self.stop_event.is_set():
@@ -304,21 +358,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def freshness(settings: EdgefeedSettings, settings_file: Path, stack: DevStack, rate: float,
-              seconds: float) -> dict[str, Any]:
+def freshness(
+    settings: EdgefeedSettings, settings_file: Path, stack: DevStack, rate: float, seconds: float
+) -> dict[str, Any]:
     apply_schema(settings.database.dsn())
     with ConnectClient(settings.connect.url, timeout_s=30) as client:
         deploy.apply(client, settings.database, settings.sources, wait_s=120)
     port = free_port()
     base = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run", "--loglevel", "info"]
-    stack.start_app("router", [*base, "--role", "router"], ready="Worker]: Ready",
-                    timeout_s=180)
-    stack.start_app("eu-west", [*base, "--region", "eu-west", "--metrics-port", str(port)],
-                    ready="Worker]: Ready", timeout_s=180)
+    stack.start_app("router", [*base, "--role", "router"], ready="Worker]: Ready", timeout_s=180)
+    stack.start_app(
+        "eu-west",
+        [*base, "--region", "eu-west", "--metrics-port", str(port)],
+        ready="Worker]: Ready",
+        timeout_s=180,
+    )
     load = ShopLoad(settings.database.dsn(), settings.region_names)
     load.seed_rows()
-    side = KafkaLatency(settings.kafka.bootstrap_servers,
-                        settings.sources[0].topic_for("public.events"))
+    side = KafkaLatency(
+        settings.kafka.bootstrap_servers, settings.sources[0].topic_for("public.events")
+    )
     side.start()
     time.sleep(1.0)
     before = histogram_quantiles(port, "eu-west", (0.5, 0.99))["count"]
@@ -347,12 +406,24 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2000.0, help="(b) changes per second")
     parser.add_argument("--seconds", type=float, default=30.0, help="(b) seconds of load")
     parser.add_argument("--json", action="store_true", help="print JSON only")
-    parser.add_argument("--batch-max", type=int, default=None,
-                        help="pipeline.batch_max (default: the example settings')")
-    parser.add_argument("--batch-within-ms", type=int, default=None,
-                        help="pipeline.batch_within_ms (default: the example settings')")
-    parser.add_argument("--part", choices=("a", "b", "both"), default="both",
-                        help="run only (a) throughput or (b) freshness")
+    parser.add_argument(
+        "--batch-max",
+        type=int,
+        default=None,
+        help="pipeline.batch_max (default: the example settings')",
+    )
+    parser.add_argument(
+        "--batch-within-ms",
+        type=int,
+        default=None,
+        help="pipeline.batch_within_ms (default: the example settings')",
+    )
+    parser.add_argument(
+        "--part",
+        choices=("a", "b", "both"),
+        default="both",
+        help="run only (a) throughput or (b) freshness",
+    )
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_worker:
@@ -372,16 +443,21 @@ def main() -> None:
     settings_file = state / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))
     # (b) gets topics and consumer groups of its own: nothing left over from (a).
-    fresh_mapping = {**mapping, "pipeline": {**mapping["pipeline"],
-                                             "app_prefix": f"bench-{tag}-fresh",
-                                             "region_topic_prefix": f"bench.{tag}.fresh"}}
+    fresh_mapping = {
+        **mapping,
+        "pipeline": {
+            **mapping["pipeline"],
+            "app_prefix": f"bench-{tag}-fresh",
+            "region_topic_prefix": f"bench.{tag}.fresh",
+        },
+    }
     fresh_settings = settings_from_mapping(fresh_mapping)
     fresh_file = state / "edgefeed-fresh.yaml"
     fresh_file.write_text(yaml.safe_dump(fresh_mapping))
     stack = DevStack(settings, state / "stack")
     report: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}",
+        f"{platform.python_version()}",
     }
     try:
         stack.up()
@@ -389,8 +465,9 @@ def main() -> None:
         if args.part in ("a", "both"):
             report["throughput"] = throughput(settings, settings_file, args.events, state)
         if args.part in ("b", "both"):
-            report["freshness"] = freshness(fresh_settings, fresh_file, stack, args.rate,
-                                            args.seconds)
+            report["freshness"] = freshness(
+                fresh_settings, fresh_file, stack, args.rate, args.seconds
+            )
     finally:
         stack.down()
         if not os.environ.get("EDGEFEED_BENCH_KEEP"):
@@ -403,19 +480,29 @@ def main() -> None:
         t = report["throughput"]
         print(f"(a) one regional worker, {t['messages']:.0f} regional messages:")
         print(f"    plain per-event Faust agent: {t['plain']:9.0f} events/s")
-        print(f"    edgefeed region app:         {t['edgefeed']:9.0f} events/s   "
-              f"= {t['speedup']:.1f}x (target >= 5x)")
-        print(f"    (mean batch {t.get('mean_batch', 0):.0f} events; share of time in the "
-              f"agent's own work {t.get('busy_share', 0):.0%})")
+        print(
+            f"    edgefeed region app:         {t['edgefeed']:9.0f} events/s   "
+            f"= {t['speedup']:.1f}x (target >= 5x)"
+        )
+        print(
+            f"    (mean batch {t.get('mean_batch', 0):.0f} events; share of time in the "
+            f"agent's own work {t.get('busy_share', 0):.0%})"
+        )
     if "freshness" not in report:
         return
     f = report["freshness"]
-    print(f"(b) freshness at {f['rate_written']:.0f} changes/s for {f['seconds']}s "
-          f"({f['vectors_written']:.0f} vectors written):")
-    print(f"    commit -> Redis: p50 {f['commit_to_redis_p50_ms']:.0f} ms, "
-          f"p99 {f['commit_to_redis_p99_ms']:.0f} ms (target p99 < 500 ms)")
-    print(f"    commit -> Kafka (Debezium alone): p50 {f['commit_to_kafka_p50_ms']:.0f} ms, "
-          f"p99 {f['commit_to_kafka_p99_ms']:.0f} ms")
+    print(
+        f"(b) freshness at {f['rate_written']:.0f} changes/s for {f['seconds']}s "
+        f"({f['vectors_written']:.0f} vectors written):"
+    )
+    print(
+        f"    commit -> Redis: p50 {f['commit_to_redis_p50_ms']:.0f} ms, "
+        f"p99 {f['commit_to_redis_p99_ms']:.0f} ms (target p99 < 500 ms)"
+    )
+    print(
+        f"    commit -> Kafka (Debezium alone): p50 {f['commit_to_kafka_p50_ms']:.0f} ms, "
+        f"p99 {f['commit_to_kafka_p99_ms']:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -48,11 +48,34 @@ FRESHNESS = Histogram(
     "edgefeed_pipeline_freshness_seconds",
     "Source commit to Redis write, per vector written",
     ["region"],
-    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
-             1.5, 2.0, 3.0, 5.0, 10.0, 30.0),
+    buckets=(
+        0.01,
+        0.02,
+        0.03,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.25,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        1.5,
+        2.0,
+        3.0,
+        5.0,
+        10.0,
+        30.0,
+    ),
 )
-BATCH_SECONDS = Histogram("edgefeed_pipeline_batch_seconds",
-                          "Time to process one batch (state, vectors, Redis write)", ["app"])
+BATCH_SECONDS = Histogram(
+    "edgefeed_pipeline_batch_seconds",
+    "Time to process one batch (state, vectors, Redis write)",
+    ["app"],
+)
 WRITE_SECONDS = Histogram(
     "edgefeed_pipeline_cache_write_seconds",
     "Latency of one pipelined batch write to Redis",
@@ -282,11 +305,19 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
                 except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
                     reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
                     DEAD_LETTERS.labels(app_id, reason).inc()
-                    log.warning("dead-lettered %s@%s: %s", event.message.partition,
-                                event.message.offset, exc)
-                    await dead.send(key=event.key, value=event.value,
-                                    headers=_dead_letter_headers(reason, str(exc), event,
-                                                                 f"region {region_name}"))
+                    log.warning(
+                        "dead-lettered %s@%s: %s",
+                        event.message.partition,
+                        event.message.offset,
+                        exc,
+                    )
+                    await dead.send(
+                        key=event.key,
+                        value=event.value,
+                        headers=_dead_letter_headers(
+                            reason, str(exc), event, f"region {region_name}"
+                        ),
+                    )
             ops: list[Upsert | Delete] = []
             for key, (entity, entity_id, event, new_state) in touched.items():
                 entity.prune(new_state)

@@ -111,6 +111,11 @@ class EntityEngine:
         self.schema = FeatureSchema(
             entity.name, tuple(features), version=entity.version, personal=entity.personal
         )
+        self._by_table: dict[str, list[AggregateFeature]] = {}
+        self._where: dict[str, tuple[tuple[str, Any], ...]] = {}
+        for aggregate in entity.aggregates:
+            self._by_table.setdefault(aggregate.table, []).append(aggregate)
+            self._where[aggregate.name] = tuple(aggregate.where.items())
         self.needs: dict[str, _TableNeeds] = {}
         for table in entity.tables:
             columns: set[str] = set()
@@ -261,57 +266,76 @@ class EntityEngine:
                 values[latest.name] = newest[_VALS].get(latest.column)
             else:
                 values[latest.name] = None
-        for aggregate in self.settings.aggregates:
-            ref = self._reference_ms(state, aggregate.table)
-            values.update(self._aggregate(aggregate, state, ref))
+        # Rows are filtered once per table and once per window, not once per aggregate.
+        for table, aggregates in self._by_table.items():
+            rows = state["rows"].get(table, {})
+            live = [e for e in rows.values() if not e[_DEL]]
+            ref = max((e[_T] for e in rows.values()), default=None)
+            windowed: dict[tuple[int, str] | None, list[list[Any]]] = {}
+            selected: dict[Any, list[list[Any]]] = {}
+            for agg in aggregates:
+                window_key = (agg.window.size_ms, agg.window.type) if agg.window else None
+                where = self._where[agg.name]
+                entries = selected.get((window_key, where))
+                if entries is None:
+                    entries = windowed.get(window_key)
+                    if entries is None:
+                        entries = self._in_window(live, window_key, ref)
+                        windowed[window_key] = entries
+                    if len(where) == 1:
+                        (column, wanted), = where
+                        entries = [e for e in entries if e[_VALS].get(column) == wanted]
+                    elif where:
+                        entries = [
+                            e for e in entries if all(e[_VALS].get(k) == v for k, v in where)
+                        ]
+                    selected[(window_key, where)] = entries
+                values.update(self._aggregate(agg, entries))
         return values
 
-    def _aggregate(
-        self, agg: AggregateFeature, state: Mapping[str, Any], ref: int | None
-    ) -> dict[str, Any]:
-        entries = [
-            e
-            for e in state["rows"].get(agg.table, {}).values()
-            if not e[_DEL] and all(e[_VALS].get(k) == v for k, v in agg.where.items())
-        ]
-        if agg.window is not None and ref is not None:
-            size = agg.window.size_ms
-            if agg.window.type == "sliding":
-                entries = [e for e in entries if ref - size < e[_T] <= ref]
-            else:
-                start = ref - (ref % size)
-                entries = [e for e in entries if start <= e[_T] < start + size]
-        column = agg.column
-        names = agg.feature_names
+    @staticmethod
+    def _in_window(
+        live: list[list[Any]], window: tuple[int, str] | None, ref: int | None
+    ) -> list[list[Any]]:
+        if window is None or ref is None:
+            return live
+        size, kind = window
+        if kind == "sliding":
+            low = ref - size
+            return [e for e in live if low < e[_T] <= ref]
+        start = ref - (ref % size)
+        return [e for e in live if start <= e[_T] < start + size]
+
+    @staticmethod
+    def _aggregate(agg: AggregateFeature, entries: list[list[Any]]) -> dict[str, Any]:
         if agg.agg == "count":
             return {agg.name: len(entries)}
-        column = column or ""  # settings validation guarantees a column here
+        column = agg.column or ""  # settings validation guarantees a column here
+        names = agg.feature_names
         present = [e for e in entries if e[_VALS].get(column) is not None]
-        numbers = (
-            [float(e[_VALS][column]) for e in present]
-            if agg.agg in ("sum", "mean", "min", "max")
-            else []
-        )
-        if agg.agg == "sum":
-            return {agg.name: sum(numbers)}
-        if agg.agg == "mean":
-            return {agg.name: sum(numbers) / len(numbers) if numbers else None}
-        if agg.agg == "min":
-            return {agg.name: min(numbers) if numbers else None}
-        if agg.agg == "max":
-            return {agg.name: max(numbers) if numbers else None}
+        if agg.agg in ("sum", "mean", "min", "max"):
+            numbers = [float(e[_VALS][column]) for e in present]
+            if agg.agg == "sum":
+                return {agg.name: sum(numbers)}
+            if not numbers:
+                return {agg.name: None}
+            if agg.agg == "mean":
+                return {agg.name: sum(numbers) / len(numbers)}
+            return {agg.name: min(numbers) if agg.agg == "min" else max(numbers)}
         if agg.agg == "distinct_count":
             return {agg.name: len({e[_VALS][column] for e in present})}
         if agg.agg == "last_n":
             ordered = sorted(present, key=lambda e: (e[_T], e[_LSN], e[_SEQ]), reverse=True)
             picked = [e[_VALS][column] for e in ordered[: len(names)]]
         else:  # top_k: most frequent first; ties: most recent, then smallest value
-            counts = Counter(e[_VALS][column] for e in present)
+            counts: Counter[Any] = Counter()
             latest_t: dict[Any, tuple[int, int, int]] = {}
             for e in present:
-                stamp = (e[_T], e[_LSN], e[_SEQ])
                 value = e[_VALS][column]
-                latest_t[value] = max(latest_t.get(value, stamp), stamp)
+                counts[value] += 1
+                stamp = (e[_T], e[_LSN], e[_SEQ])
+                if value not in latest_t or stamp > latest_t[value]:
+                    latest_t[value] = stamp
             ranked = sorted(
                 counts, key=lambda v: (-counts[v], tuple(-x for x in latest_t[v]), str(v))
             )

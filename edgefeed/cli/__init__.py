@@ -17,7 +17,16 @@ from edgefeed import __version__
 
 __all__ = ["app", "main"]
 
-_COMMAND_MODULES = ("dev", "demo", "connectors", "pipeline", "preprocess", "workers", "monitoring")
+_COMMAND_MODULES = (
+    "dev",
+    "demo",
+    "connectors",
+    "pipeline",
+    "cache",
+    "preprocess",
+    "workers",
+    "monitoring",
+)
 
 app = typer.Typer(
     name="edgefeed",

@@ -11,8 +11,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import requests
-from conftest import PG_PASSWORD, drop_slot, read_topic, unique_name
 from pydantic import SecretStr
+from stackhelpers import PG_PASSWORD, drop_slot, read_topic, unique_name
 
 from connectors import deploy
 from connectors.client import ConnectClient

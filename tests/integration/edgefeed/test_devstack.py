@@ -18,7 +18,7 @@ import redis
 import requests
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
-from conftest import free_ports, stack_settings_mapping, unique_name
+from stackhelpers import free_ports, stack_settings_mapping, unique_name
 
 from edgefeed.devstack import DevStack, MissingBinaryError, PortInUseError
 from edgefeed.devstack.process import read_pid

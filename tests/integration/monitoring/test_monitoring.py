@@ -13,8 +13,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import requests
-from conftest import drop_slot, unique_name
 from prometheus_client.parser import text_string_to_metric_families
+from stackhelpers import drop_slot, unique_name
 
 from connectors.client import ConnectClient
 from connectors.config import render_connector_config

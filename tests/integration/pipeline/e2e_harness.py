@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from conftest import drop_slot, unique_name
+from stackhelpers import drop_slot, unique_name
 
 from connectors import deploy
 from connectors.client import ConnectClient

@@ -168,12 +168,7 @@ def _edgefeed_services() -> list[Any]:
     cases = []
     for name, service in sorted(services.items()):
         if str(service.get("image", "")).startswith("${EDGEFEED_IMAGE"):
-            marks = ()
-            if name == "model-worker":
-                # `edgefeed workers serve` arrives with the workers branch; strict: this
-                # fails as soon as the command exists, to drop the mark.
-                marks = (pytest.mark.xfail(strict=True, reason="workers CLI not merged yet"),)
-            cases.append(pytest.param(name, service["command"], id=name, marks=marks))
+            cases.append(pytest.param(name, service["command"], id=name))
     return cases
 
 

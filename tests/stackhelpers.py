@@ -1,0 +1,129 @@
+"""Helpers shared by the tests: free ports, unique names, the stack's settings,
+reading topics. An importable module (``from stackhelpers import ...``), since
+``conftest`` names several modules in this tree."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import socket
+import time
+import uuid
+
+import psycopg
+
+REGIONS = (("eu-west", "eu"), ("us-east", "us"), ("ap-southeast", "apac"))
+PG_PASSWORD = "edgefeed-test-secret"
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, *, also_free_offset: int | None = None) -> list[int]:
+    """Ports free right now, distinct, below the kernel's ephemeral range (32768+).
+
+    Args:
+        also_free_offset: Also require ``port + offset`` to be free (a Redis
+            Cluster node uses its port + 10000 for the cluster bus).
+    """
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(20000, 32000)
+        if port in ports or not _bindable(port):
+            continue
+        if also_free_offset is not None and not _bindable(port + also_free_offset):
+            continue
+        ports.append(port)
+    return ports
+
+
+def stack_settings_mapping(ports: list[int]) -> dict[str, object]:
+    broker, connect, pg, *redis_ports = ports
+    return {
+        "kafka": {
+            "bootstrap_servers": f"127.0.0.1:{broker}",
+            "session_timeout_ms": 6000,
+            "fetch_max_wait_ms": 20,
+        },
+        "connect": {"url": f"http://127.0.0.1:{connect}", "timeout_s": 15},
+        "database": {
+            "host": "127.0.0.1",
+            "port": pg,
+            "dbname": "edgefeed",
+            "user": "postgres",
+            "password": PG_PASSWORD,
+        },
+        "regions": [
+            {
+                "name": name,
+                "redis_url": f"redis://127.0.0.1:{port}/0",
+                "residency_zone": zone,
+                "failover": [other for other, _ in REGIONS if other != name],
+            }
+            for (name, zone), port in zip(REGIONS, redis_ports, strict=True)
+        ],
+    }
+
+
+_unique = itertools.count()
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}_{os.getpid()}_{next(_unique)}_{uuid.uuid4().hex[:6]}"
+
+
+async def read_topic(
+    bootstrap: list[str], topic: str, *, count: int, deadline_s: float = 60
+) -> list[tuple[bytes | None, bytes | None]]:
+    """Read ``count`` records (key, value) from the start of ``topic``, waiting for it to exist."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=20,
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    records: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        deadline = time.monotonic() + deadline_s
+        while topic not in await consumer.topics():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"topic {topic} did not appear within {deadline_s}s")
+            await asyncio.sleep(0.2)
+        consumer.subscribe([topic])
+        while len(records) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{len(records)} of {count} records on {topic} within {deadline_s}s"
+                )
+            batch = await consumer.getmany(timeout_ms=300)
+            for partition_records in batch.values():
+                records.extend((r.key, r.value) for r in partition_records)
+    finally:
+        await consumer.stop()
+    return records
+
+
+def drop_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str, publication: str) -> None:
+    """Drop a replication slot (waiting for its connector to let go) and its publication."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            break
+        except psycopg.errors.ObjectInUse:
+            time.sleep(0.2)
+        except psycopg.errors.UndefinedObject:
+            break
+    conn.execute(f'DROP PUBLICATION IF EXISTS "{publication}"')
