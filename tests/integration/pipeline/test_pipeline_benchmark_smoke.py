@@ -1,0 +1,30 @@
+"""A small run of benchmarks/pipeline.py, so the benchmark cannot rot."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "pipeline.py"
+
+
+def test_pipeline_benchmark_smoke_run_measures_both_parts() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--json"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    throughput, freshness = report["throughput"], report["freshness"]
+    assert throughput["plain"] > 0 and throughput["edgefeed"] > 0
+    assert throughput["speedup"] == pytest.approx(throughput["edgefeed"] / throughput["plain"])
+    assert freshness["vectors_written"] > 0
+    assert 0 < freshness["commit_to_redis_p50_ms"] <= freshness["commit_to_redis_p99_ms"]
+    assert math.isfinite(freshness["commit_to_kafka_p50_ms"])
