@@ -283,7 +283,7 @@ class EntityEngine:
                         entries = self._in_window(live, window_key, ref)
                         windowed[window_key] = entries
                     if len(where) == 1:
-                        (column, wanted), = where
+                        ((column, wanted),) = where
                         entries = [e for e in entries if e[_VALS].get(column) == wanted]
                     elif where:
                         entries = [

@@ -18,7 +18,10 @@ SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "pipeline.py"
 def test_pipeline_benchmark_smoke_run_measures_both_parts() -> None:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--json"],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads(result.stdout)
