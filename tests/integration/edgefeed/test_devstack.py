@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import redis
 import requests
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
-from stackhelpers import free_ports, stack_settings_mapping, unique_name
+from stackhelpers import drop_slot, free_ports, read_topic, stack_settings_mapping, unique_name
 
 from edgefeed.devstack import DevStack, MissingBinaryError, PortInUseError
 from edgefeed.devstack.process import read_pid
@@ -112,33 +111,6 @@ def _wait_connector_running(base: str, name: str, deadline_s: float = 60) -> dic
     pytest.fail(f"connector {name} not RUNNING in {deadline_s}s: {status}")
 
 
-async def _first_record(bootstrap: list[str], topic: str, deadline_s: float) -> bytes:
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=20,
-        enable_auto_commit=False,
-    )
-    await consumer.start()
-    try:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            # The topic appears when Debezium writes its first event.
-            if topic in await consumer.topics():
-                consumer.subscribe([topic])
-                break
-            await asyncio.sleep(0.2)
-        while time.monotonic() < deadline:
-            batch = await consumer.getmany(timeout_ms=500)
-            for records in batch.values():
-                for record in records:
-                    if record.value:
-                        return bytes(record.value)
-        pytest.fail(f"no record on {topic} within {deadline_s}s")
-    finally:
-        await consumer.stop()
-
-
 async def test_debezium_connector_delivers_an_insert(
     devstack: DevStack,
     make_table: Callable[[str, str], str],
@@ -176,21 +148,13 @@ async def test_debezium_connector_delivers_an_insert(
     try:
         _wait_connector_running(base, name)
         pg_conn.execute(f"INSERT INTO public.{table} (id, name) VALUES (7, 'ada')")
-        value = await _first_record(
-            devstack.settings.kafka.bootstrap_servers, f"{prefix}.public.{table}", 60
+        [(_, value)] = await read_topic(
+            devstack.settings.kafka.bootstrap_servers, f"{prefix}.public.{table}", count=1
         )
     finally:
         requests.delete(f"{base}/connectors/{name}", timeout=30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                pg_conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                break
-            except psycopg.errors.ObjectInUse:
-                time.sleep(0.2)
-            except psycopg.errors.UndefinedObject:
-                break
-        pg_conn.execute(f"DROP PUBLICATION IF EXISTS pub_{slot}")
+        drop_slot(pg_conn, slot, f"pub_{slot}")
+    assert value is not None
     event = json.loads(value)
     assert event["op"] == "c", event
     assert event["after"] == {"id": 7, "name": "ada"}
