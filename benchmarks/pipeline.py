@@ -245,7 +245,8 @@ def throughput(
                 if done >= high:
                     t_high, n_high = now, done
                     break
-                time.sleep(0.05)
+                # Scraping costs the worker CPU: poll gently (the run lasts many seconds).
+                time.sleep(0.5)
             if t_low is None or t_high is None:
                 raise SystemExit(
                     f"{variant} worker did not get through the topic; see "

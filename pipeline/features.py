@@ -234,13 +234,17 @@ class EntityEngine:
     @staticmethod
     def _reference_ms(state: Mapping[str, Any], table: str) -> int | None:
         rows = state["rows"].get(table)
-        return max(entry[_T] for entry in rows.values()) if rows else None
+        return max([entry[_T] for entry in rows.values()]) if rows else None
 
     def prune(self, state: dict[str, Any]) -> None:
         """Drop rows that no window or last-n can use any more (call once per batch)."""
+        marks: dict[str, int] = state.setdefault("marks", {})
         for table, rows in state["rows"].items():
             needs = self.needs.get(table)
             if needs is None or needs.retention_ms is None or len(rows) <= needs.keep_last:
+                continue
+            # Amortised: sort and cut only when the table doubled since the last cut.
+            if len(rows) < marks.get(table, 0):
                 continue
             ref = self._reference_ms(state, table)
             if ref is None:
