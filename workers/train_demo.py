@@ -21,8 +21,24 @@ from workers.models.loading import WEIGHTS_DIR, save_checkpoint
 from workers.models.ranking import RankerConfig, RankingNet
 from workers.synthetic import SHAPE_CLASSES, click_world, shape_images
 
-__all__ = ["auc", "classifier_accuracy", "main", "train_classifier", "train_ranker"]
+__all__ = [
+    "SHOP_RANKER",
+    "auc",
+    "classifier_accuracy",
+    "main",
+    "train_classifier",
+    "train_ranker",
+]
 
+SHOP_RANKER = RankerConfig(
+    user_features=(
+        "views_30m", "clicks_30m", "carts_1h", "purchases_today", "spend_today",
+        "distinct_items_1h",
+    ),
+    item_features=("price", "views_1h", "purchases_1h"),
+    user_entity="user",
+    item_entity="item",
+)
 HELD_OUT_SEED = 10_001  # the test/benchmark held-out sets use this seed, never seen in training
 
 
@@ -74,12 +90,14 @@ def train_ranker(
 ) -> tuple[RankingNet, dict[str, float]]:
     """Train a :class:`RankingNet` on generated clicks; return it and held-out AUC."""
     torch.manual_seed(seed)
-    world = click_world(seed=0)
+    n_user, n_item = len(config.user_features), len(config.item_features)
+    world = click_world(dims=max(n_user, n_item), seed=0)
     users, items, clicked = world.pairs(samples, seed=seed)
     held_users, held_items, held_clicked = world.pairs(10_000, seed=HELD_OUT_SEED)
     module = RankingNet(config)
     optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
-    uf, itf = torch.from_numpy(world.user_features), torch.from_numpy(world.item_features)
+    uf = torch.from_numpy(world.user_features[:, :n_user].copy())
+    itf = torch.from_numpy(world.item_features[:, :n_item].copy())
     u, i, c = torch.from_numpy(users), torch.from_numpy(items), torch.from_numpy(clicked)
     for _ in range(epochs):
         module.train()
@@ -125,6 +143,18 @@ def main(argv: list[str] | None = None) -> None:
         args.out / "ranker.pt", "ranker", ranker_config, ranker, version="demo-1", metrics=metrics
     )
     print(f"ranker: {metrics} ({time.perf_counter() - start:.1f} s)")
+
+    # The same architecture over the demo shop's live features (examples/edgefeed.yaml),
+    # so `make demo` can rank with what the pipeline writes. Trained on generated data:
+    # it shows the serving path and its latency budget, not a recommender's quality.
+    start = time.perf_counter()
+    shop_config = SHOP_RANKER
+    shop, metrics = train_ranker(shop_config, seed=args.seed)
+    save_checkpoint(
+        args.out / "shop_ranker.pt", "ranker", shop_config, shop, version="demo-1",
+        metrics=metrics,
+    )
+    print(f"shop ranker: {metrics} ({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from connectors import deploy
 from connectors.client import ConnectClient
 from edgefeed.cli._common import EXIT_ERROR, console, run_reported, settings_of
 from edgefeed.cli.dev import print_status
+from edgefeed.cli.workers import print_bench
 from edgefeed.devstack import DevStack
 from edgefeed.lookup import feature_client
 from edgefeed.settings import EdgefeedSettings
@@ -198,6 +202,18 @@ def run(
         )
         console.print(f"  pipeline {name}: ready (log: {stack.log_path('app-pipeline-' + name)})")
 
+    exporter_port = _free_port()
+    stack.stop_app("exporter")  # a previous demo's, on another port
+    run_reported(
+        lambda: stack.start_app(
+            "exporter",
+            [*base, "exporter", "--port", str(exporter_port)],
+            ready="serving metrics on",
+            timeout_s=60,
+        )
+    )
+    console.print(f"  exporter: http://127.0.0.1:{exporter_port}/metrics (Prometheus)")
+
     console.rule(f"4. load: {rate:.0f} changes/s for {duration:.0f}s into PostgreSQL")
     load = ShopLoad(settings.database.dsn(), settings.region_names, users=users, items=items)
     result = _load(settings, rate, duration, users, items)
@@ -207,11 +223,70 @@ def run(
     console.rule("5. what each region's cache holds (personal data stays home)")
     console.print(_sample_table(settings, load))
     console.print(_freshness_table(settings, users, items))
-    console.print(
-        "the stack and the pipeline keep running; stop everything with: "
-        f"edgefeed {'--settings ' + str(settings_path) + ' ' if settings_path else ''}"
-        "dev down"
+
+    region = settings.region_names[0]
+    console.rule(f"6. a model worker in {region} ranks items with the live features")
+    from workers.models.loading import WEIGHTS_DIR
+
+    worker_port = _free_port()
+    stack.stop_app(f"worker-{region}")  # a previous demo's, on another port
+    run_reported(
+        lambda: stack.start_app(
+            f"worker-{region}",
+            [
+                *base,
+                "workers",
+                "serve",
+                "--model",
+                "ranker",
+                "--weights",
+                str(WEIGHTS_DIR / "shop_ranker.pt"),
+                "--region",
+                region,
+                "--port",
+                str(worker_port),
+            ],
+            ready="serving 'ranker'",
+            timeout_s=180,
+        )
     )
+    summary = asyncio.run(_burst(f"http://127.0.0.1:{worker_port}", load, region, items))
+    print_bench(
+        summary,
+        f"latency budget: ranker in {region} on live features "
+        "(T_total = T_network + T_data + T_model + T_service)",
+    )
+
+    console.rule("7. edgefeed lag: consumer lag, freshness, replication slots, connectors")
+    subprocess.run([*base, "lag"], check=False)
+    console.print(
+        "the stack, the pipeline, the exporter and the model worker keep running; stop "
+        f"everything with: edgefeed "
+        f"{'--settings ' + str(settings_path) + ' ' if settings_path else ''}dev down"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _burst(url: str, load: ShopLoad, region: str, items: int) -> dict[str, Any]:
+    """A short closed-loop burst of ranking requests for the region's own users."""
+    from workers.bench import closed_loop
+    from workers.client import InferenceAnswer, WorkerClient
+
+    users = [u for u in range(1, load.users + 1) if load.home_region(u) == region]
+    candidates = [str(i) for i in range(1, min(items, 20) + 1)]
+
+    async def send(client: WorkerClient, n: int) -> InferenceAnswer:
+        user = str(users[n % len(users)])
+        return await client.rank("ranker", user, candidates, on_missing="drop")
+
+    async with WorkerClient(url) as client:
+        result = await closed_loop(client, send, concurrency=8, requests=300, warmup_requests=8)
+    return result.summary()
 
 
 def register(app: typer.Typer) -> None:

@@ -181,7 +181,7 @@ def serve(
     run_reported(lambda: asyncio.run(run_server(server, announce)))
 
 
-def _print_bench(summary: dict[str, Any], title: str) -> None:
+def print_bench(summary: dict[str, Any], title: str) -> None:
     table = Table(title=title)
     table.add_column("term")
     for q in ("p50", "p95", "p99"):
@@ -309,7 +309,7 @@ def bench(
     if as_json:
         typer.echo(json.dumps(summary))
     else:
-        _print_bench(summary, f"{model} latency budget ({url or 'in-process worker'})")
+        print_bench(summary, f"{model} latency budget ({url or 'in-process worker'})")
 
 
 @workers_app.command("seed-demo")
