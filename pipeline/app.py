@@ -8,7 +8,7 @@ the number of partitions of its change topic.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+import orjson
 from aiokafka.partitioner import DefaultPartitioner
+from faust.serializers import codecs
 from prometheus_client import Counter, Histogram
 
 from connectors.settings import TableSettings
@@ -83,6 +85,21 @@ WRITE_SECONDS = Histogram(
 )
 
 
+class _OrjsonCodec(codecs.Codec):
+    """JSON through orjson: the entity states in the changelog are large and written
+    once per entity per batch, and orjson encodes them about 9x faster than json."""
+
+    def _dumps(self, obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    def _loads(self, s: bytes) -> Any:
+        return orjson.loads(s)
+
+
+STATE_CODEC = "edgefeed-json"
+codecs.register(STATE_CODEC, _OrjsonCodec())
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
     """Everything the apps need, composed from the settings file by the CLI."""
@@ -137,7 +154,7 @@ def _patch_fetch_wait(ms: int) -> None:
     thread_class._edgefeed_fetch_wait_ms = ms
 
 
-def faust_app(app_id: str, config: PipelineConfig) -> faust.App:
+def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.App:
     kafka, pipeline = config.kafka, config.pipeline
     _patch_fetch_wait(kafka.fetch_max_wait_ms)
     session_s = kafka.session_timeout_ms / 1000.0
@@ -158,6 +175,7 @@ def faust_app(app_id: str, config: PipelineConfig) -> faust.App:
         "stream_wait_empty": False,
         "producer_linger": 0.0,
     }
+    options.update(overrides)
     options.update(config.extra_faust)
     return faust.App(app_id, **options)
 
@@ -228,7 +246,7 @@ def build_router_app(config: PipelineConfig) -> faust.App:
                     EVENTS.labels(app_id, "ignored").inc()
                     continue
                 for message in messages:
-                    body = json.dumps(message.value, separators=(",", ":")).encode()
+                    body = orjson.dumps(message.value)
                     topic = outputs[message.region]
                     if message.key is None:  # a truncate reaches every partition
                         for partition in range(partitions):
@@ -244,7 +262,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     """One region's feature app: its change topic in, feature vectors into its Redis."""
     region = config.region(region_name)
     app_id = config.pipeline.region_app_id(region_name)
-    app = faust_app(app_id, config)
+    app = faust_app(app_id, config, value_serializer=STATE_CODEC)
     engine = FeatureEngine(config.entities)
     partitions = config.pipeline.partitions
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
@@ -277,47 +295,32 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     batch_sizes = BATCH.labels(app_id)
     batch_seconds = BATCH_SECONDS.labels(app_id)
 
-    @app.agent(changes, name="features")
-    async def features(stream: Any) -> None:
-        async for events in stream.take_events(batch_max, within):
+    # Continuous batching: state changes per event as events arrive; the vectors,
+    # changelog records and one pipelined Redis write happen per entity per batch.
+    # A batch closes at batch_max events, or once it is batch_within_ms old and
+    # at least twice as old as the last flush took, so a worker that falls behind
+    # takes bigger batches (the fixed cost of a flush is shared by more events)
+    # instead of falling further behind. Events are acked only once written.
+    batch: dict[str, Any] = {"events": [], "touched": {}, "first": None, "last_flush": 0.0}
+    flush_lock = asyncio.Lock()
+    streams: list[Any] = []
+
+    def _due(now: float) -> bool:
+        first = batch["first"]
+        if first is None:
+            return False
+        age = now - first
+        return len(batch["events"]) >= batch_max or age >= max(within, 2.0 * batch["last_flush"])
+
+    async def _flush() -> None:
+        async with flush_lock:
+            events: list[Any] = batch["events"]
+            touched: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = batch["touched"]
+            if not events and not pending_truncates:
+                return
+            batch.update(events=[], touched={}, first=None)
             started = time.perf_counter()
-            batch_sizes.observe(len(events))
-            # State is updated in place per event; the changelog, the vector and the
-            # cache write happen once per entity per batch.
-            touched: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {}
-            for event in events:
-                try:
-                    message = json.loads(event.value)
-                    if message.get("op") == "t":
-                        stream._set_current_event(event)
-                        _truncate(message, event.message.partition)
-                        continue
-                    entity = engine.engine(str(message["e"]))
-                    key = (event.key or b"").decode()
-                    seen = touched.get(key)
-                    current = seen[3] if seen is not None else state.get(key)
-                    new_state, changed = entity.apply(current, message)
-                    if changed and new_state is not None:
-                        touched[key] = (entity, message["id"], event, new_state)
-                        applied_events.inc()
-                    else:
-                        duplicate_events.inc()
-                except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
-                    reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
-                    DEAD_LETTERS.labels(app_id, reason).inc()
-                    log.warning(
-                        "dead-lettered %s@%s: %s",
-                        event.message.partition,
-                        event.message.offset,
-                        exc,
-                    )
-                    await dead.send(
-                        key=event.key,
-                        value=event.value,
-                        headers=_dead_letter_headers(
-                            reason, str(exc), event, f"region {region_name}"
-                        ),
-                    )
+            stream = streams[0]
             ops: list[Upsert | Delete] = []
             for key, (entity, entity_id, event, new_state) in touched.items():
                 entity.prune(new_state)
@@ -328,7 +331,56 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             stream._set_current_event(None)
             if ops or pending_truncates:
                 await _write(ops)
-            batch_seconds.observe(time.perf_counter() - started)
+            for event in events:
+                await stream.ack(event)
+            elapsed = time.perf_counter() - started
+            batch["last_flush"] = elapsed
+            batch_sizes.observe(len(events))
+            batch_seconds.observe(elapsed)
+
+    @app.agent(changes, name="features")
+    async def features(stream: Any) -> None:
+        streams[:] = [stream]
+        stream.enable_acks = False  # acked by _flush, after the cache write
+        async for event in stream.events():
+            if batch["first"] is None:
+                batch["first"] = time.perf_counter()
+            batch["events"].append(event)
+            touched = batch["touched"]
+            try:
+                message = orjson.loads(event.value)
+                if message.get("op") == "t":
+                    _truncate(message, event.message.partition)
+                else:
+                    entity = engine.engine(str(message["e"]))
+                    key = (event.key or b"").decode()
+                    seen = touched.get(key)
+                    current = seen[3] if seen is not None else state.get(key)
+                    new_state, changed = entity.apply(current, message)
+                    if changed and new_state is not None:
+                        touched[key] = (entity, message["id"], event, new_state)
+                        applied_events.inc()
+                    else:
+                        duplicate_events.inc()
+            except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
+                reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
+                DEAD_LETTERS.labels(app_id, reason).inc()
+                log.warning(
+                    "dead-lettered %s@%s: %s", event.message.partition, event.message.offset, exc
+                )
+                await dead.send(
+                    key=event.key,
+                    value=event.value,
+                    headers=_dead_letter_headers(reason, str(exc), event, f"region {region_name}"),
+                )
+            if _due(time.perf_counter()):
+                await _flush()
+
+    @app.timer(interval=max(0.005, within / 2))  # type: ignore[untyped-decorator]
+    async def flush_quiet_tail() -> None:
+        """Close a batch that no further event will close (the stream went quiet)."""
+        if streams and (_due(time.perf_counter()) or (pending_truncates and not batch["events"])):
+            await _flush()
 
     def _truncate(message: dict[str, Any], partition: int) -> None:
         for key in list(state.keys()):
@@ -369,10 +421,5 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             key = cache.core.layout.freshness_key(entity_name)
             pipe.hset(key, mapping={"commit_us": commit_us, "write_us": now_us, "lsn": lsn})
         await pipe.execute()
-
-    @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
-    async def flush_truncates() -> None:
-        if pending_truncates:
-            await _write([])
 
     return app
