@@ -266,7 +266,8 @@ class PipelineSettings(BaseModel):
             this many worker processes.
         replication_factor: Replication factor of the topics the pipeline creates.
         batch_max: Most events a worker handles (and writes to Redis) at once.
-        batch_within_ms: Longest wait to fill a batch; bounds the added latency.
+        batch_within_ms: Age at which a batch closes when the worker keeps up;
+            a worker that falls behind waits up to twice its last flush time.
         commit_interval_s: How often consumed offsets are committed.
     """
 
