@@ -32,7 +32,11 @@ __all__ = [
 
 SHOP_RANKER = RankerConfig(
     user_features=(
-        "views_30m", "clicks_30m", "carts_1h", "purchases_today", "spend_today",
+        "views_30m",
+        "clicks_30m",
+        "carts_1h",
+        "purchases_today",
+        "spend_today",
         "distinct_items_1h",
     ),
     item_features=("price", "views_1h", "purchases_1h"),
@@ -151,7 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     shop_config = SHOP_RANKER
     shop, metrics = train_ranker(shop_config, seed=args.seed)
     save_checkpoint(
-        args.out / "shop_ranker.pt", "ranker", shop_config, shop, version="demo-1",
+        args.out / "shop_ranker.pt",
+        "ranker",
+        shop_config,
+        shop,
+        version="demo-1",
         metrics=metrics,
     )
     print(f"shop ranker: {metrics} ({time.perf_counter() - start:.1f} s)")
