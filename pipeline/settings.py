@@ -267,7 +267,7 @@ class PipelineSettings(BaseModel):
         replication_factor: Replication factor of the topics the pipeline creates.
         batch_max: Most events a worker handles (and writes to Redis) at once.
         batch_within_ms: Age at which a batch closes when the worker keeps up;
-            a worker that falls behind waits up to twice its last flush time.
+            a worker that falls behind waits up to four times its last flush time.
         commit_interval_s: How often consumed offsets are committed.
     """
 
@@ -278,7 +278,7 @@ class PipelineSettings(BaseModel):
     dead_letter_topic: str = "edgefeed.deadletter"
     partitions: int = Field(default=4, ge=1, le=1024)
     replication_factor: int = Field(default=1, ge=1)
-    batch_max: int = Field(default=500, ge=1, le=100_000)
+    batch_max: int = Field(default=5000, ge=1, le=100_000)
     batch_within_ms: int = Field(default=20, ge=1, le=10_000)
     commit_interval_s: float = Field(default=1.0, gt=0)
 
