@@ -446,6 +446,8 @@ def main() -> None:
         mapping["pipeline"]["batch_max"] = args.batch_max
     if args.batch_within_ms is not None:
         mapping["pipeline"]["batch_within_ms"] = args.batch_within_ms
+    if args.batch_catch_up is not None:
+        mapping["pipeline"]["batch_catch_up"] = args.batch_catch_up
     settings = settings_from_mapping(mapping)
     settings_file = state / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))

@@ -298,10 +298,11 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     # Continuous batching: state changes per event as events arrive; the vectors,
     # changelog records and one pipelined Redis write happen per entity per batch.
     # A batch closes at batch_max events, or once it is batch_within_ms old and
-    # at least four times as old as the last flush took, so a worker that falls behind
+    # at least batch_catch_up times as old as the last flush took, so a worker that falls behind
     # takes bigger batches (the fixed cost of a flush is shared by more events)
     # instead of falling further behind. Events are acked only once written.
     batch: dict[str, Any] = {"events": [], "touched": {}, "first": None, "last_flush": 0.0}
+    catch_up = config.pipeline.batch_catch_up
     flush_lock = asyncio.Lock()
     streams: list[Any] = []
 
@@ -310,7 +311,9 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         if first is None:
             return False
         age = now - first
-        return len(batch["events"]) >= batch_max or age >= max(within, 4.0 * batch["last_flush"])
+        return len(batch["events"]) >= batch_max or age >= max(
+            within, catch_up * batch["last_flush"]
+        )
 
     async def _flush() -> None:
         async with flush_lock:
