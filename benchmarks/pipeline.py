@@ -426,6 +426,12 @@ def main() -> None:
         help="pipeline.batch_within_ms (default: the example settings')",
     )
     parser.add_argument(
+        "--batch-catch-up",
+        type=float,
+        default=None,
+        help="pipeline.batch_catch_up (default: the example settings')",
+    )
+    parser.add_argument(
         "--part",
         choices=("a", "b", "both"),
         default="both",
