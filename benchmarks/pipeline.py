@@ -41,8 +41,10 @@ from typing import Any
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if p not in ("", _HERE)]
 
+import orjson  # noqa: E402
 import yaml  # noqa: E402
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
+from aiokafka.partitioner import DefaultPartitioner  # noqa: E402
 
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
@@ -50,6 +52,7 @@ from edgefeed.devstack import DevStack  # noqa: E402
 from edgefeed.pipeline_config import pipeline_config  # noqa: E402
 from edgefeed.settings import EdgefeedSettings, load_settings, settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
+from pipeline.app import pack_changes  # noqa: E402
 from pipeline.envelope import Change  # noqa: E402
 from pipeline.routing import Router  # noqa: E402
 from pipeline.topics import ensure_topics  # noqa: E402
@@ -111,9 +114,7 @@ def plain_worker(settings_file: str, region: str) -> None:
     config = pipeline_config(settings, check_database=False)
     app = faust_app(settings.pipeline.region_app_id(region) + "-plain", config)
     engine = FeatureEngine(config.entities)
-    topic = app.topic(
-        settings.pipeline.region_topic(region), key_serializer="raw", value_serializer="raw"
-    )
+    topic = app.topic(os.environ["BENCH_TOPIC"], key_serializer="raw", value_serializer="raw")
     table = app.Table("entities", partitions=settings.pipeline.partitions, key_type=str)
     writer: dict[str, AsyncFeatureWriter] = {}
 
@@ -160,11 +161,26 @@ def processed(port: int) -> float:
     return sum(v for k, v in samples.items() if "applied" in k or "duplicate" in k)
 
 
-def regional_messages(settings: EdgefeedSettings, count: int) -> list[tuple[bytes, bytes]]:
-    """What the router sends eu-west for ``count`` view/click/purchase events."""
+ROUTER_BATCH = 100  # source events per router batch: 50 ms at 2,000 events/s
+
+
+def regional_messages(
+    settings: EdgefeedSettings, count: int
+) -> tuple[list[tuple[bytes, bytes]], list[tuple[int, bytes]]]:
+    """What the router sends eu-west for ``count`` view/click/purchase events.
+
+    Returns:
+        One message per change (keyed ``entity:id``, what a plain per-event design
+        sends), and the router's packs (partition, JSON array of changes) for
+        router batches of ROUTER_BATCH events.
+    """
     router = Router(settings.entities, settings.tables(), settings.region_names)
+    partitioner = DefaultPartitioner()
+    partitions = list(range(settings.pipeline.partitions))
     rng = random.Random(3)
-    messages: list[tuple[bytes, bytes]] = []
+    singles: list[tuple[bytes, bytes]] = []
+    packs: list[tuple[int, bytes]] = []
+    pending: dict[int, list[bytes]] = {}
     base_us = int(time.time() * 1e6)
     lsn = 1000
     for i in range(count):
@@ -183,8 +199,14 @@ def regional_messages(settings: EdgefeedSettings, count: int) -> list[tuple[byte
         change = Change("public.events", "c", None, row, lsn, 0, base_us // 1000)
         for routed in router.route(change):
             if routed.key is not None:
-                messages.append((routed.key.encode(), json.dumps(routed.value).encode()))
-    return messages
+                key, body = routed.key.encode(), orjson.dumps(routed.value)
+                singles.append((key, body))
+                pending.setdefault(partitioner(key, partitions, partitions), []).append(body)
+        if (i + 1) % ROUTER_BATCH == 0 or i + 1 == count:
+            for partition, bodies in pending.items():
+                packs.extend((partition, pack) for pack in pack_changes(bodies))
+            pending = {}
+    return singles, packs
 
 
 def throughput(
@@ -194,21 +216,28 @@ def throughput(
     state: Path,
     poll_s: float = 0.5,
 ) -> dict[str, float]:
-    messages = regional_messages(settings, events)
+    singles, packs = regional_messages(settings, events)
     topic = settings.pipeline.region_topic("eu-west")
+    plain_topic = f"{topic}.plain"
 
     async def fill() -> None:
         await ensure_topics(
             settings.kafka.bootstrap_servers,
-            {topic: settings.pipeline.partitions, settings.pipeline.dead_letter_topic: 1},
+            {
+                topic: settings.pipeline.partitions,
+                plain_topic: settings.pipeline.partitions,
+                settings.pipeline.dead_letter_topic: 1,
+            },
         )
         producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka.bootstrap_servers, linger_ms=5, max_batch_size=1 << 20
         )
         await producer.start()
         try:
-            for key, value in messages:
-                await producer.send(topic, value, key=key)
+            for key, value in singles:
+                await producer.send(plain_topic, value, key=key)
+            for partition, value in packs:
+                await producer.send(topic, value, partition=partition)
             await producer.flush()
         finally:
             await producer.stop()
@@ -217,7 +246,7 @@ def throughput(
     results: dict[str, float] = {}
     for variant in ("plain", "edgefeed"):
         port = free_port()
-        env = {**os.environ, "BENCH_METRICS_PORT": str(port)}
+        env = {**os.environ, "BENCH_METRICS_PORT": str(port), "BENCH_TOPIC": plain_topic}
         if variant == "plain":
             argv = [sys.executable, __file__, "--plain-worker", str(settings_file)]
         else:
@@ -237,7 +266,7 @@ def throughput(
         log = open(state / f"{variant}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            total = len(messages)
+            total = len(singles)  # changes, in either form
             deadline = time.monotonic() + 600
             low, high = 0.1 * total, 0.9 * total
             t_low = t_high = None
@@ -293,7 +322,8 @@ def throughput(
             proc.wait(timeout=30)
             log.close()
     results["speedup"] = results["edgefeed"] / results["plain"]
-    results["messages"] = float(len(messages))
+    results["messages"] = float(len(singles))
+    results["packs"] = float(len(packs))
     return results
 
 
@@ -495,7 +525,10 @@ def main() -> None:
     print(f"machine: {report['machine']}")
     if "throughput" in report:
         t = report["throughput"]
-        print(f"(a) one regional worker, {t['messages']:.0f} regional messages:")
+        print(
+            f"(a) one regional worker, {t['messages']:.0f} regional changes "
+            f"({t['packs']:.0f} router packs for edgefeed, one message each for the plain agent):"
+        )
         print(f"    plain per-event Faust agent: {t['plain']:9.0f} events/s")
         print(
             f"    edgefeed region app:         {t['edgefeed']:9.0f} events/s   "

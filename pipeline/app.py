@@ -173,7 +173,7 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
         "table_standby_replicas": 0,
         "web_enabled": False,
         "stream_wait_empty": False,
-        "producer_linger": 0.0,
+        "producer_linger": kafka.linger_ms / 1000.0,
     }
     options.update(overrides)
     options.update(config.extra_faust)
@@ -190,6 +190,31 @@ def _dead_letter_headers(reason: str, message: str, event: Any, stage: str) -> d
         "edgefeed-partition": str(msg.partition).encode(),
         "edgefeed-offset": str(msg.offset).encode(),
     }
+
+
+PACK_BYTES = 256 * 1024
+
+
+def pack_changes(bodies: Sequence[bytes], limit: int = PACK_BYTES) -> list[bytes]:
+    """Regional messages carrying the encoded changes, in order: JSON arrays of at most
+    ``limit`` bytes (one change alone may exceed it).
+
+    The router sends one message per region and partition per batch instead of one per
+    change: per-message costs (Faust's send and delivery, the broker's per-record work)
+    are then paid per batch. Workers also accept a single change (a JSON object).
+    """
+    packs: list[bytes] = []
+    current: list[bytes] = []
+    size = 2
+    for body in bodies:
+        if current and size + len(body) + 1 > limit:
+            packs.append(b"[" + b",".join(current) + b"]")
+            current, size = [], 2
+        current.append(body)
+        size += len(body) + 1
+    if current:
+        packs.append(b"[" + b",".join(current) + b"]")
+    return packs
 
 
 def build_router_app(config: PipelineConfig) -> faust.App:
@@ -216,15 +241,24 @@ def build_router_app(config: PipelineConfig) -> faust.App:
         value_serializer="raw",
     )
 
+    partitioner = DefaultPartitioner()
+    all_partitions = list(range(partitions))
+    routed_events = EVENTS.labels(app_id, "routed")
+    ignored_events = EVENTS.labels(app_id, "ignored")
+    tombstones = EVENTS.labels(app_id, "tombstone")
+    batch_sizes = BATCH.labels(app_id)
+
     @app.agent(source, name="route")
     async def route(stream: Any) -> None:
         async for events in stream.take_events(batch_max, within):
-            BATCH.labels(app_id).observe(len(events))
+            batch_sizes.observe(len(events))
+            # (region, partition) -> the encoded changes bound there, in source order.
+            packs: dict[tuple[str, int], list[bytes]] = {}
             for event in events:
                 try:
                     change = decode_change(event.value or b"", offset=event.message.offset)
                     if change is None:
-                        EVENTS.labels(app_id, "tombstone").inc()
+                        tombstones.inc()
                         continue
                     messages = router.route(change)
                 except PoisonEventError as exc:
@@ -243,17 +277,24 @@ def build_router_app(config: PipelineConfig) -> faust.App:
                     )
                     continue
                 if not messages:
-                    EVENTS.labels(app_id, "ignored").inc()
+                    ignored_events.inc()
                     continue
                 for message in messages:
                     body = orjson.dumps(message.value)
-                    topic = outputs[message.region]
                     if message.key is None:  # a truncate reaches every partition
-                        for partition in range(partitions):
-                            await topic.send(value=body, partition=partition)
+                        for partition in all_partitions:
+                            packs.setdefault((message.region, partition), []).append(body)
                     else:
-                        await topic.send(key=message.key.encode(), value=body)
-                EVENTS.labels(app_id, "routed").inc()
+                        # The partition Kafka's default partitioner gives the entity key,
+                        # so each regional partition owns whole entities.
+                        partition = partitioner(
+                            message.key.encode(), all_partitions, all_partitions
+                        )
+                        packs.setdefault((message.region, partition), []).append(body)
+                routed_events.inc()
+            for (region_name, partition), bodies in packs.items():
+                for pack in pack_changes(bodies):
+                    await outputs[region_name].send(value=pack, partition=partition)
 
     return app
 
@@ -280,6 +321,9 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     )
     # Keys are ``entity:id`` strings, values dicts: both JSON in the changelog.
     state = app.Table("entities", partitions=partitions, key_type=str)
+    # Faust picks a table's codec from its value type ("json" for plain dicts); the
+    # states go through orjson instead (set before the changelog topic is made).
+    state.value_serializer = STATE_CODEC
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
     holder: dict[str, AsyncFeatureWriter] = {}
@@ -290,18 +334,28 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             await holder["w"].publish_schemas()
         return holder["w"]
 
-    applied_events = EVENTS.labels(app_id, "applied")
+    applied_events = EVENTS.labels(app_id, "applied")  # changes, not messages
     duplicate_events = EVENTS.labels(app_id, "duplicate")
     batch_sizes = BATCH.labels(app_id)
     batch_seconds = BATCH_SECONDS.labels(app_id)
 
-    # Continuous batching: state changes per event as events arrive; the vectors,
-    # changelog records and one pipelined Redis write happen per entity per batch.
-    # A batch closes at batch_max events, or once it is batch_within_ms old and
-    # at least batch_catch_up times as old as the last flush took, so a worker that falls behind
-    # takes bigger batches (the fixed cost of a flush is shared by more events)
-    # instead of falling further behind. Events are acked only once written.
-    batch: dict[str, Any] = {"events": [], "touched": {}, "first": None, "last_flush": 0.0}
+    # Continuous batching: state changes per change as messages arrive; the vectors
+    # and one pipelined Redis write happen per entity per batch. A batch closes at
+    # batch_max changes, or once it is batch_within_ms old and at least
+    # batch_catch_up times as old as the last flush took, so a worker that falls
+    # behind takes bigger batches (the fixed cost of a flush is shared by more
+    # changes) instead of falling further behind.
+    # Checkpoints: every checkpoint_interval_s the states changed since the last one
+    # go to the changelog (one record per entity, however many batches touched it),
+    # and only then are the messages behind them acked. A restarted worker recovers
+    # the states of the last checkpoint and replays what came after (idempotently).
+    batch: dict[str, Any] = {"messages": 0, "changes": 0, "touched": {}, "first": None}
+    batch["last_flush"] = 0.0
+    checkpoint_s = config.pipeline.checkpoint_interval_s
+    # key -> (entity event, state): changed since the last checkpoint.
+    dirty: dict[str, tuple[Any, dict[str, Any]]] = {}
+    unacked: list[Any] = []
+    last_checkpoint = [time.monotonic()]
     catch_up = config.pipeline.batch_catch_up
     flush_lock = asyncio.Lock()
     streams: list[Any] = []
@@ -311,98 +365,142 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         if first is None:
             return False
         age = now - first
-        return len(batch["events"]) >= batch_max or age >= max(
+        return bool(batch["changes"] >= batch_max) or age >= max(
             within, catch_up * batch["last_flush"]
         )
 
-    async def _flush() -> None:
+    async def _flush(checkpoint: bool = False) -> None:
         async with flush_lock:
-            events: list[Any] = batch["events"]
             touched: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = batch["touched"]
-            if not events and not pending_truncates:
-                return
-            batch.update(events=[], touched={}, first=None)
+            changes = batch["changes"]
+            pending = batch["messages"]
+            batch.update(messages=0, changes=0, touched={}, first=None)
             started = time.perf_counter()
-            stream = streams[0]
-            ops: list[Upsert | Delete] = []
-            for key, (entity, entity_id, event, new_state) in touched.items():
-                entity.prune(new_state)
-                # The changelog record goes to the partition this entity's events came from.
-                stream._set_current_event(event)
-                state[key] = new_state
-                ops.append(entity.write_op(entity_id, new_state))
-            stream._set_current_event(None)
-            if ops or pending_truncates:
-                await _write(ops)
-            for event in events:
-                await stream.ack(event)
-            elapsed = time.perf_counter() - started
-            batch["last_flush"] = elapsed
-            batch_sizes.observe(len(events))
-            batch_seconds.observe(elapsed)
+            if pending:
+                ops: list[Upsert | Delete] = []
+                for key, (entity, entity_id, event, new_state) in touched.items():
+                    dirty[key] = (event, new_state)
+                    ops.append(entity.write_op(entity_id, new_state))
+                if ops:
+                    await _write(ops)
+                elapsed = time.perf_counter() - started
+                batch["last_flush"] = elapsed
+                batch_sizes.observe(changes)
+                batch_seconds.observe(elapsed)
+            if unacked and (checkpoint or time.monotonic() - last_checkpoint[0] >= checkpoint_s):
+                await _checkpoint()
+
+    async def _checkpoint() -> None:
+        """Changed states to the changelog, then ack the messages behind them."""
+        stream = streams[0]
+        for key, (event, new_state) in dirty.items():
+            engine.engine(key.split(":", 1)[0]).prune(new_state)
+            # The changelog record goes to the partition this entity's messages came from.
+            stream._set_current_event(event)
+            state[key] = new_state
+        stream._set_current_event(None)
+        dirty.clear()
+        for event in unacked:
+            await stream.ack(event)
+        unacked.clear()
+        last_checkpoint[0] = time.monotonic()
+
+    def _current(key: str) -> Any:
+        seen = batch["touched"].get(key)
+        if seen is not None:
+            return seen[3]
+        held = dirty.get(key)
+        return held[1] if held is not None else state.get(key)
+
+    async def _dead_letter(event: Any, value: bytes, exc: Exception, index: int | None) -> None:
+        reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
+        DEAD_LETTERS.labels(app_id, reason).inc()
+        where = f"{event.message.partition}@{event.message.offset}"
+        if index is not None:
+            where += f"[{index}]"
+        log.warning("dead-lettered %s: %s", where, exc)
+        headers = _dead_letter_headers(reason, str(exc), event, f"region {region_name}")
+        if index is not None:
+            headers["edgefeed-index"] = str(index).encode()
+        await dead.send(key=event.key, value=value, headers=headers)
+
+    def _apply(message: Any, event: Any) -> None:
+        if not isinstance(message, dict):
+            raise PoisonEventError("undecodable", "a change must be a JSON object")
+        if message.get("op") == "t":
+            _truncate(message, event)
+            return
+        entity = engine.engine(str(message["e"]))
+        key = f"{message['e']}:{message['id']}"
+        new_state, changed = entity.apply(_current(key), message)
+        if changed and new_state is not None:
+            batch["touched"][key] = (entity, message["id"], event, new_state)
+            applied_events.inc()
+        else:
+            duplicate_events.inc()
 
     @app.agent(changes, name="features")
     async def features(stream: Any) -> None:
         streams[:] = [stream]
-        stream.enable_acks = False  # acked by _flush, after the cache write
+        stream.enable_acks = False  # acked at checkpoints, after the cache write
         async for event in stream.events():
             if batch["first"] is None:
                 batch["first"] = time.perf_counter()
-            batch["events"].append(event)
-            touched = batch["touched"]
+            batch["messages"] += 1
+            unacked.append(event)
+            value = event.value or b""
             try:
-                message = orjson.loads(event.value)
-                if message.get("op") == "t":
-                    _truncate(message, event.message.partition)
-                else:
-                    entity = engine.engine(str(message["e"]))
-                    key = (event.key or b"").decode()
-                    seen = touched.get(key)
-                    current = seen[3] if seen is not None else state.get(key)
-                    new_state, changed = entity.apply(current, message)
-                    if changed and new_state is not None:
-                        touched[key] = (entity, message["id"], event, new_state)
-                        applied_events.inc()
-                    else:
-                        duplicate_events.inc()
-            except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
-                reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
-                DEAD_LETTERS.labels(app_id, reason).inc()
-                log.warning(
-                    "dead-lettered %s@%s: %s", event.message.partition, event.message.offset, exc
-                )
-                await dead.send(
-                    key=event.key,
-                    value=event.value,
-                    headers=_dead_letter_headers(reason, str(exc), event, f"region {region_name}"),
-                )
+                decoded = orjson.loads(value)
+            except ValueError as exc:
+                await _dead_letter(event, value, PoisonEventError("undecodable", str(exc)), None)
+                decoded = []
+            # A router's pack (a JSON array of changes), or a single change.
+            entries = decoded if isinstance(decoded, list) else [decoded]
+            batch["changes"] += len(entries)
+            for index, message in enumerate(entries):
+                try:
+                    _apply(message, event)
+                except (PoisonEventError, ValueError, KeyError, TypeError) as exc:
+                    single = index if isinstance(decoded, list) else None
+                    await _dead_letter(event, orjson.dumps(message), exc, single)
             if _due(time.perf_counter()):
                 await _flush()
 
     @app.timer(interval=max(0.005, within / 2))  # type: ignore[untyped-decorator]
     async def flush_quiet_tail() -> None:
-        """Close a batch that no further event will close (the stream went quiet)."""
-        if streams and (_due(time.perf_counter()) or (pending_truncates and not batch["events"])):
+        """Close a batch that no further message will close (the stream went quiet),
+        and checkpoint once the interval has passed."""
+        now = time.perf_counter()
+        if streams and (
+            _due(now) or (unacked and time.monotonic() - last_checkpoint[0] >= checkpoint_s)
+        ):
             await _flush()
 
-    def _truncate(message: dict[str, Any], partition: int) -> None:
-        for key in list(state.keys()):
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
+    async def checkpoint_at_rebalance(sender: Any, *args: Any, **kwargs: Any) -> None:
+        """Write the changed states and ack their messages before the partitions move.
+
+        Every partition is revoked in a rebalance (and most come back): without this,
+        redelivered messages would find their changes already in the in-memory
+        states, and those states would never reach the changelog.
+        """
+        if streams:
+            await _flush(checkpoint=True)
+
+    def _truncate(message: dict[str, Any], event: Any) -> None:
+        partition = event.message.partition
+        keys = {*state.keys(), *dirty, *batch["touched"]}
+        for key in keys:
             # The router's keys decide partitions; only this partition's entities are ours.
             if partitioner(key.encode(), all_partitions, all_partitions) != partition:
                 continue  # another partition's copy of the truncate handles it
-            current = state[key]
+            current = _current(key)
             entity_type, entity_id = key.split(":", 1)
             entity = engine.engine(entity_type)
             if entity.truncate(current, message):
-                state[key] = current
-                pending_truncates[key] = entity.write_op(entity_id, current)
-
-    pending_truncates: dict[str, Upsert | Delete] = {}
+                batch["touched"][key] = (entity, entity_id, event, current)
 
     async def _write(ops: list[Upsert | Delete]) -> None:
-        if pending_truncates:
-            ops = [*ops, *pending_truncates.values()]
-            pending_truncates.clear()
         cache = await writer()
         started = time.perf_counter()
         applied = await cache.write(ops)
