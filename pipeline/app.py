@@ -323,7 +323,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     state = app.Table("entities", partitions=partitions, key_type=str)
     # Faust picks a table's codec from its value type ("json" for plain dicts); the
     # states go through orjson instead (set before the changelog topic is made).
-    state.value_serializer = STATE_CODEC
+    state.value_serializer = STATE_CODEC  # type: ignore[attr-defined]
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
     holder: dict[str, AsyncFeatureWriter] = {}

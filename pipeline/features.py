@@ -8,6 +8,10 @@ tombstones until they leave every window, and the vector is a pure function of
 the state. Redelivered and reordered messages therefore leave the same state
 and the same vector.
 
+Aggregates are incremental (pipeline.windows): each state carries, in memory
+only, an index of running accumulators per window, so a vector costs the same
+however many rows its windows hold.
+
 Windows end at the entity's newest event time in the aggregated table (the
 largest event time among its rows of that table), not at the wall clock: the
 vector is "as of the entity's latest event", and replays compute the same
@@ -17,7 +21,6 @@ values.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,8 +29,9 @@ from typing import Any
 from edge_cache import Delete, Feature, FeatureSchema, Position, Upsert
 from pipeline.exceptions import PoisonEventError
 from pipeline.settings import AggregateFeature, EntitySettings
+from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, WindowSpec, top_values
 
-__all__ = ["EntityEngine", "FeatureEngine", "event_time_ms"]
+__all__ = ["EntityEngine", "EntityState", "FeatureEngine", "event_time_ms"]
 
 # Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
 _LSN, _SEQ, _T, _DEL, _VALS = range(5)
@@ -71,6 +75,8 @@ def _coerce(value: Any, dtype: str, where: str) -> Any:
             number = float(value)
             if math.isnan(number):
                 return None
+            if math.isinf(number):
+                raise ValueError(value)
             return number
         if dtype in ("int32", "int64"):
             if isinstance(value, bool):
@@ -89,6 +95,17 @@ def _coerce(value: Any, dtype: str, where: str) -> Any:
     except (TypeError, ValueError):
         pass
     raise PoisonEventError("wrong-type", f"{where}: value {value!r} is not a valid {dtype}")
+
+
+class EntityState(dict[str, Any]):
+    """An entity's state (a plain dict in the changelog) and, in memory only, its
+    aggregate index: table -> TableIndex, built from the rows when first needed."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.index: dict[str, TableIndex] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +130,26 @@ class EntityEngine:
         )
         self._by_table: dict[str, list[AggregateFeature]] = {}
         self._where: dict[str, tuple[tuple[str, Any], ...]] = {}
+        # table -> its windows (by key), each with the groups (where filters) it needs.
+        self._windows: dict[str, dict[tuple[int, str] | None, WindowSpec]] = {}
         for aggregate in entity.aggregates:
             self._by_table.setdefault(aggregate.table, []).append(aggregate)
-            self._where[aggregate.name] = tuple(aggregate.where.items())
+            where = tuple(sorted(aggregate.where.items()))
+            self._where[aggregate.name] = where
+            key = (aggregate.window.size_ms, aggregate.window.type) if aggregate.window else None
+            by_key = self._windows.setdefault(aggregate.table, {})
+            group = by_key.setdefault(key, WindowSpec(key)).groups.setdefault(
+                where, GroupSpec(where)
+            )
+            column = aggregate.column or ""
+            if aggregate.agg in ("sum", "mean"):
+                group.sums.add(column)
+            elif aggregate.agg in ("min", "max"):
+                group.sorted.add(column)
+            elif aggregate.agg in ("distinct_count", "top_k"):
+                group.distinct.add(column)
+                if aggregate.agg == "top_k":
+                    group.stamped.add(column)
         self.needs: dict[str, _TableNeeds] = {}
         for table in entity.tables:
             columns: set[str] = set()
@@ -166,7 +200,10 @@ class EntityEngine:
         Raises:
             PoisonEventError: a value has the wrong type for its feature.
         """
-        state = state or {"rows": {}, "lsn": 0, "rev": 0, "ts": 0, "gone": None}
+        if state is None:
+            state = EntityState(rows={}, lsn=0, rev=0, ts=0, gone=None)
+        elif not isinstance(state, EntityState):
+            state = EntityState(state)  # recovered from the changelog: index it when needed
         op = message["op"]
         lsn, seq = int(message["lsn"]), int(message["seq"])
         position = (lsn, seq)
@@ -175,13 +212,9 @@ class EntityEngine:
             if gone is not None and tuple(gone) >= position:
                 return state, False
             return self._stamp(
-                {
-                    "rows": {},
-                    "lsn": state["lsn"],
-                    "rev": state["rev"],
-                    "ts": state["ts"],
-                    "gone": [lsn, seq],
-                },
+                EntityState(
+                    rows={}, lsn=state["lsn"], rev=state["rev"], ts=state["ts"], gone=[lsn, seq]
+                ),
                 lsn,
                 message["ts"],
             ), True
@@ -196,6 +229,7 @@ class EntityEngine:
         current = rows.get(pk)
         if current is not None and (current[_LSN], current[_SEQ]) >= position:
             return state, False
+        index = self._index(state).get(table)
         if op == "d":
             event_ms = current[_T] if current is not None else int(message["ts"])
             rows[pk] = [lsn, seq, event_ms, 1, {}]
@@ -212,6 +246,8 @@ class EntityEngine:
                 row.get(needs.time_column) if needs.time_column else None, int(message["ts"])
             )
             rows[pk] = [lsn, seq, event_ms, 0, values]
+        if index is not None:
+            index.replace(pk, current, rows[pk], rows)
         if gone is not None:
             state["gone"] = None
         return self._stamp(state, lsn, message["ts"]), True
@@ -221,6 +257,12 @@ class EntityEngine:
         rows = state["rows"].pop(message["t"], None)
         if not rows:
             return False
+        if isinstance(state, EntityState) and state.index is not None:
+            state.index.pop(message["t"], None)
+            if message["t"] in self._windows:
+                state.index[message["t"]] = TableIndex(
+                    list(self._windows[message["t"]].values()), {}
+                )
         self._stamp(state, int(message["lsn"]), message["ts"])
         return True
 
@@ -231,32 +273,58 @@ class EntityEngine:
         state["ts"] = max(int(state["ts"]), int(ts))
         return state
 
-    @staticmethod
-    def _reference_ms(state: Mapping[str, Any], table: str) -> int | None:
-        rows = state["rows"].get(table)
-        return max([entry[_T] for entry in rows.values()]) if rows else None
+    def _index(self, state: EntityState) -> dict[str, TableIndex]:
+        if state.index is None:
+            state.index = {
+                table: TableIndex(list(windows.values()), state["rows"].get(table, {}))
+                for table, windows in self._windows.items()
+            }
+        return state.index
 
     def prune(self, state: dict[str, Any]) -> None:
-        """Drop rows that no window or last-n can use any more (call once per batch)."""
+        """Drop rows that no window, latest value or last-n can use any more.
+
+        Amortised: a table is cut only once it has doubled since its last cut.
+        """
         marks: dict[str, int] = state.setdefault("marks", {})
         for table, rows in state["rows"].items():
             needs = self.needs.get(table)
             if needs is None or needs.retention_ms is None or len(rows) <= needs.keep_last:
                 continue
-            # Amortised: sort and cut only when the table doubled since the last cut.
             if len(rows) < marks.get(table, 0):
                 continue
-            ref = self._reference_ms(state, table)
-            if ref is None:
-                continue
+            ref = max(entry[_T] for entry in rows.values())
             newest = sorted(
                 rows.items(), key=lambda kv: (kv[1][_T], kv[1][_LSN], kv[1][_SEQ]), reverse=True
             )
             keep = {pk for pk, _ in newest[: needs.keep_last]}
+            for agg in self._by_table.get(table, []):
+                if agg.agg == "last_n" and agg.window is None:  # its n newest matching rows
+                    keep.update(self._newest_matching(agg, newest))
             horizon = ref - needs.retention_ms
-            for pk, entry in newest[needs.keep_last :]:
-                if entry[_T] < horizon and pk not in keep:
-                    del rows[pk]
+            cut = [pk for pk, entry in newest if entry[_T] < horizon and pk not in keep]
+            for pk in cut:
+                del rows[pk]
+            marks[table] = 2 * len(rows)
+            if cut and isinstance(state, EntityState) and state.index is not None:
+                index = state.index.get(table)
+                if index is not None:
+                    index.forget(rows)
+
+    def _newest_matching(
+        self, agg: AggregateFeature, newest: list[tuple[str, list[Any]]]
+    ) -> list[str]:
+        where, column, n = self._where[agg.name], agg.column or "", agg.n or 0
+        picked: list[str] = []
+        for pk, entry in newest:
+            if len(picked) >= n:
+                break
+            values = entry[_VALS]
+            if entry[_DEL] or values.get(column) is None:
+                continue
+            if all(values.get(k) == v for k, v in where):
+                picked.append(pk)
+        return picked
 
     # -- the vector ---------------------------------------------------------------------------
 
@@ -270,81 +338,40 @@ class EntityEngine:
                 values[latest.name] = newest[_VALS].get(latest.column)
             else:
                 values[latest.name] = None
-        # Rows are filtered once per table and once per window, not once per aggregate.
-        for table, aggregates in self._by_table.items():
-            rows = state["rows"].get(table, {})
-            live = [e for e in rows.values() if not e[_DEL]]
-            ref = max((e[_T] for e in rows.values()), default=None)
-            windowed: dict[tuple[int, str] | None, list[list[Any]]] = {}
-            selected: dict[Any, list[list[Any]]] = {}
-            for agg in aggregates:
-                window_key = (agg.window.size_ms, agg.window.type) if agg.window else None
-                where = self._where[agg.name]
-                entries = selected.get((window_key, where))
-                if entries is None:
-                    entries = windowed.get(window_key)
-                    if entries is None:
-                        entries = self._in_window(live, window_key, ref)
-                        windowed[window_key] = entries
-                    if len(where) == 1:
-                        ((column, wanted),) = where
-                        entries = [e for e in entries if e[_VALS].get(column) == wanted]
-                    elif where:
-                        entries = [
-                            e for e in entries if all(e[_VALS].get(k) == v for k, v in where)
-                        ]
-                    selected[(window_key, where)] = entries
-                values.update(self._aggregate(agg, entries))
+        if not self.settings.aggregates:
+            return values
+        indexed = state if isinstance(state, EntityState) else EntityState(state)
+        indexes = self._index(indexed)
+        for agg in self.settings.aggregates:
+            index = indexes[agg.table]
+            window = (agg.window.size_ms, agg.window.type) if agg.window else None
+            where = self._where[agg.name]
+            names = agg.feature_names
+            if agg.agg == "last_n":
+                rows = state["rows"].get(agg.table, {})
+                picked = index.newest(window, where, agg.column or "", len(names), rows)
+                values.update(zip(names, picked + [None] * (len(names) - len(picked)), strict=True))
+                continue
+            group = index.group(window, where)
+            column = agg.column or ""
+            if agg.agg == "count":
+                values[agg.name] = group.count
+            elif agg.agg == "sum":
+                values[agg.name] = group.sums[column] / EXACT_SCALE
+            elif agg.agg == "mean":
+                present = group.present[column]
+                values[agg.name] = group.sums[column] / (present * EXACT_SCALE) if present else None
+            elif agg.agg in ("min", "max"):
+                ordered = group.values[column]
+                values[agg.name] = (
+                    (ordered[0] if agg.agg == "min" else ordered[-1]) if ordered else None
+                )
+            elif agg.agg == "distinct_count":
+                values[agg.name] = len(group.counters[column])
+            else:  # top_k
+                picked = top_values(group, column, len(names))
+                values.update(zip(names, picked + [None] * (len(names) - len(picked)), strict=True))
         return values
-
-    @staticmethod
-    def _in_window(
-        live: list[list[Any]], window: tuple[int, str] | None, ref: int | None
-    ) -> list[list[Any]]:
-        if window is None or ref is None:
-            return live
-        size, kind = window
-        if kind == "sliding":
-            low = ref - size
-            return [e for e in live if low < e[_T] <= ref]
-        start = ref - (ref % size)
-        return [e for e in live if start <= e[_T] < start + size]
-
-    @staticmethod
-    def _aggregate(agg: AggregateFeature, entries: list[list[Any]]) -> dict[str, Any]:
-        if agg.agg == "count":
-            return {agg.name: len(entries)}
-        column = agg.column or ""  # settings validation guarantees a column here
-        names = agg.feature_names
-        present = [e for e in entries if e[_VALS].get(column) is not None]
-        if agg.agg in ("sum", "mean", "min", "max"):
-            numbers = [float(e[_VALS][column]) for e in present]
-            if agg.agg == "sum":
-                return {agg.name: sum(numbers)}
-            if not numbers:
-                return {agg.name: None}
-            if agg.agg == "mean":
-                return {agg.name: sum(numbers) / len(numbers)}
-            return {agg.name: min(numbers) if agg.agg == "min" else max(numbers)}
-        if agg.agg == "distinct_count":
-            return {agg.name: len({e[_VALS][column] for e in present})}
-        if agg.agg == "last_n":
-            ordered = sorted(present, key=lambda e: (e[_T], e[_LSN], e[_SEQ]), reverse=True)
-            picked = [e[_VALS][column] for e in ordered[: len(names)]]
-        else:  # top_k: most frequent first; ties: most recent, then smallest value
-            counts: Counter[Any] = Counter()
-            latest_t: dict[Any, tuple[int, int, int]] = {}
-            for e in present:
-                value = e[_VALS][column]
-                counts[value] += 1
-                stamp = (e[_T], e[_LSN], e[_SEQ])
-                if value not in latest_t or stamp > latest_t[value]:
-                    latest_t[value] = stamp
-            ranked = sorted(
-                counts, key=lambda v: (-counts[v], tuple(-x for x in latest_t[v]), str(v))
-            )
-            picked = ranked[: len(names)]
-        return {name: (picked[i] if i < len(picked) else None) for i, name in enumerate(names)}
 
     def write_op(self, entity_id: Any, state: Mapping[str, Any]) -> Upsert | Delete:
         """The cache write for the state: its vector, or a delete once the entity is gone."""

@@ -1,0 +1,259 @@
+"""Incremental windowed aggregates over one entity's rows of one table.
+
+A vector used to be recomputed from every row in its windows each time the
+entity changed: fine for an entity with a handful of rows, but a popular item
+holds thousands of events in its hour, and every batch paid for all of them.
+The index here keeps, per window and ``where`` filter, running accumulators
+that a changed row adjusts (its old version retracted, its new one added), and
+moves rows in and out as the window's end (the table's newest event time)
+advances. A vector is then assembled from the accumulators in time independent
+of the rows held.
+
+The result is exactly what a full recomputation gives: counts and counters are
+integers; sums and means are kept exactly (each float as an integer multiple
+of 2**-1074) and rounded once when read, so adding and retracting values in any
+order leaves no rounding residue. The index is derived data: it lives in memory
+beside the state (never in the changelog) and is rebuilt from the rows after a
+restart.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["EXACT_SCALE", "TableIndex", "WindowSpec", "exact"]
+
+# Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
+_LSN, _SEQ, _T, _DEL, _VALS = range(5)
+_FOREVER = (-(1 << 62), 1 << 62)
+EXACT_SCALE = 1 << 1074  # every finite double is an integer multiple of 2**-1074
+
+
+def exact(value: float) -> int:
+    """``value`` as an exact integer multiple of 2**-1074."""
+    numerator, denominator = value.as_integer_ratio()
+    return numerator * (EXACT_SCALE // denominator)
+
+
+class GroupSpec:
+    """What one (window, where filter) must accumulate."""
+
+    __slots__ = ("distinct", "sorted", "stamped", "sums", "where")
+
+    def __init__(self, where: tuple[tuple[str, Any], ...]) -> None:
+        self.where = where
+        self.sums: set[str] = set()  # sum, mean
+        self.sorted: set[str] = set()  # min, max
+        self.distinct: set[str] = set()  # distinct_count, top_k
+        self.stamped: set[str] = set()  # top_k: the newest row of each value
+
+
+class WindowSpec:
+    """One window of a table: ``(size_ms, type)`` or None (unbounded), and its groups."""
+
+    __slots__ = ("groups", "key")
+
+    def __init__(self, key: tuple[int, str] | None) -> None:
+        self.key = key
+        self.groups: dict[tuple[tuple[str, Any], ...], GroupSpec] = {}
+
+    def interval(self, ref: int | None) -> tuple[int, int]:
+        """The event times ``[low, high)`` in the window when the newest event is ``ref``."""
+        if self.key is None:
+            return _FOREVER
+        if ref is None:
+            return (0, 0)
+        size, kind = self.key
+        if kind == "sliding":
+            return (ref - size + 1, ref + 1)
+        start = ref - (ref % size)
+        return (start, start + size)
+
+
+class _Group:
+    __slots__ = ("count", "counters", "present", "spec", "stamps", "sums", "values")
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self.count = 0
+        self.sums = dict.fromkeys(spec.sums, 0)
+        self.present = dict.fromkeys(spec.sums, 0)
+        self.values: dict[str, list[float]] = {c: [] for c in spec.sorted}
+        self.counters: dict[str, Counter[Any]] = {c: Counter() for c in spec.distinct}
+        self.stamps: dict[str, dict[Any, list[tuple[int, int, int]]]] = {
+            c: {} for c in spec.stamped
+        }
+
+    def update(self, entry: list[Any], sign: int) -> None:
+        """Add (sign 1) or retract (sign -1) one live row."""
+        values: Mapping[str, Any] = entry[_VALS]
+        for column, wanted in self.spec.where:
+            if values.get(column) != wanted:
+                return
+        self.count += sign
+        for column in self.spec.sums:
+            value = values.get(column)
+            if value is not None:
+                self.sums[column] += sign * exact(value)
+                self.present[column] += sign
+        for column in self.spec.sorted:
+            value = values.get(column)
+            if value is not None:
+                ordered = self.values[column]
+                if sign > 0:
+                    insort(ordered, value)
+                else:
+                    del ordered[bisect_left(ordered, value)]
+        for column in self.spec.distinct:
+            value = values.get(column)
+            if value is not None:
+                counter = self.counters[column]
+                counter[value] += sign
+                if counter[value] == 0:
+                    del counter[value]
+        for column in self.spec.stamped:
+            value = values.get(column)
+            if value is not None:
+                stamp = (entry[_T], entry[_LSN], entry[_SEQ])
+                stamps = self.stamps[column].setdefault(value, [])
+                if sign > 0:
+                    insort(stamps, stamp)
+                else:
+                    del stamps[bisect_left(stamps, stamp)]
+                    if not stamps:
+                        del self.stamps[column][value]
+
+
+class _Window:
+    __slots__ = ("groups", "high", "low", "spec")
+
+    def __init__(self, spec: WindowSpec) -> None:
+        self.spec = spec
+        self.low, self.high = spec.interval(None)
+        self.groups = {where: _Group(group) for where, group in spec.groups.items()}
+
+    def update(self, entry: list[Any], sign: int) -> None:
+        if self.low <= entry[_T] < self.high:
+            for group in self.groups.values():
+                group.update(entry, sign)
+
+
+class TableIndex:
+    """The live rows of one table in time order, and the accumulators of its windows.
+
+    Args:
+        windows: The table's windows and what each must accumulate.
+        rows: The table's rows in the state (pk -> entry); indexed as they are.
+    """
+
+    __slots__ = ("order", "ref", "windows")
+
+    def __init__(self, windows: Sequence[WindowSpec], rows: Mapping[str, list[Any]]) -> None:
+        self.windows = {spec.key: _Window(spec) for spec in windows}
+        self.ref: int | None = max((e[_T] for e in rows.values()), default=None)
+        for window in self.windows.values():
+            window.low, window.high = window.spec.interval(self.ref)
+        self.order: list[tuple[int, int, int, str]] = sorted(
+            (e[_T], e[_LSN], e[_SEQ], pk) for pk, e in rows.items() if not e[_DEL]
+        )
+        for key in self.order:
+            entry = rows[key[3]]
+            for window in self.windows.values():
+                window.update(entry, 1)
+
+    def replace(
+        self, pk: str, old: list[Any] | None, new: list[Any], rows: Mapping[str, list[Any]]
+    ) -> None:
+        """Row ``pk`` changed from ``old`` to ``new`` (already in ``rows``)."""
+        if old is not None and not old[_DEL]:
+            key = (old[_T], old[_LSN], old[_SEQ], pk)
+            del self.order[bisect_left(self.order, key)]
+            for window in self.windows.values():
+                window.update(old, -1)
+        t = new[_T]
+        if self.ref is None or t > self.ref:
+            self._move(t, rows)
+        elif old is not None and old[_T] == self.ref and t < self.ref:
+            # The newest row moved back in time: the window end is the next newest.
+            self._move(max(e[_T] for e in rows.values()), rows)
+        if not new[_DEL]:
+            insort(self.order, (t, new[_LSN], new[_SEQ], pk))
+            for window in self.windows.values():
+                window.update(new, 1)
+
+    def forget(self, rows: Mapping[str, list[Any]]) -> None:
+        """Rows outside every window left ``rows`` (pruned): drop them from the order."""
+        self.order = [
+            key
+            for key in self.order
+            if (entry := rows.get(key[3])) is not None and entry[_T] == key[0]
+        ]
+
+    def _move(self, ref: int, rows: Mapping[str, list[Any]]) -> None:
+        """The newest event time became ``ref``: rows leave and enter the windows."""
+        self.ref = ref
+        for window in self.windows.values():
+            low, high = window.spec.interval(ref)
+            a, b = window.low, window.high
+            if (low, high) == (a, b):
+                continue
+            if a >= b:  # nothing was in the window: fill it
+                a = b = high
+            for start, end, sign in (
+                (a, min(b, low), -1),
+                (max(a, high), b, -1),
+                (low, min(high, a), 1),
+                (max(low, b), high, 1),
+            ):
+                if start < end:
+                    self._each(start, end, rows, window, sign)
+            window.low, window.high = low, high
+
+    def _each(
+        self, start: int, end: int, rows: Mapping[str, list[Any]], window: _Window, sign: int
+    ) -> None:
+        first = bisect_left(self.order, (start,))
+        last = bisect_left(self.order, (end,))
+        for key in self.order[first:last]:
+            entry = rows[key[3]]
+            for group in window.groups.values():
+                group.update(entry, sign)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def group(self, window: tuple[int, str] | None, where: tuple[tuple[str, Any], ...]) -> _Group:
+        return self.windows[window].groups[where]
+
+    def newest(
+        self,
+        window: tuple[int, str] | None,
+        where: tuple[tuple[str, Any], ...],
+        column: str,
+        n: int,
+        rows: Mapping[str, list[Any]],
+    ) -> list[Any]:
+        """The ``column`` values of the ``n`` newest rows in the window matching ``where``."""
+        span = self.windows[window]
+        first = bisect_left(self.order, (span.low,))
+        index = bisect_left(self.order, (span.high,)) - 1
+        picked: list[Any] = []
+        while index >= first and len(picked) < n:
+            values = rows[self.order[index][3]][_VALS]
+            index -= 1
+            if any(values.get(k) != v for k, v in where):
+                continue
+            value = values.get(column)
+            if value is not None:
+                picked.append(value)
+        return picked
+
+
+def top_values(group: _Group, column: str, n: int) -> list[Any]:
+    """Most frequent first; ties: most recent (newest row), then smallest value as text."""
+    counts = group.counters[column]
+    stamps = group.stamps[column]
+    ranked = sorted(counts, key=lambda v: (-counts[v], tuple(-x for x in stamps[v][-1]), str(v)))
+    return ranked[:n]
