@@ -193,6 +193,7 @@ def _dead_letter_headers(reason: str, message: str, event: Any, stage: str) -> d
 
 
 PACK_BYTES = 256 * 1024
+CHECKPOINT_SLICE = 16  # entity states encoded between yields to the event loop
 
 
 def pack_changes(bodies: Sequence[bytes], limit: int = PACK_BYTES) -> list[bytes]:
@@ -358,6 +359,10 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     last_checkpoint = [time.monotonic()]
     catch_up = config.pipeline.batch_catch_up
     flush_lock = asyncio.Lock()
+    checkpoint_lock = asyncio.Lock()
+    checkpoints: list[asyncio.Future[None]] = []  # the one running, kept referenced
+    # key -> (entity event, state): taken by the running checkpoint, not yet written.
+    writing: dict[str, tuple[Any, dict[str, Any]]] = {}
     streams: list[Any] = []
 
     def _due(now: float) -> bool:
@@ -369,7 +374,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             within, catch_up * batch["last_flush"]
         )
 
-    async def _flush(checkpoint: bool = False) -> None:
+    async def _flush() -> None:
         async with flush_lock:
             touched: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = batch["touched"]
             changes = batch["changes"]
@@ -387,29 +392,49 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
                 batch["last_flush"] = elapsed
                 batch_sizes.observe(changes)
                 batch_seconds.observe(elapsed)
-            if unacked and (checkpoint or time.monotonic() - last_checkpoint[0] >= checkpoint_s):
-                await _checkpoint()
+            elapsed_s = time.monotonic() - last_checkpoint[0]
+            if unacked and elapsed_s >= checkpoint_s and not checkpoint_lock.locked():
+                checkpoints[:] = [asyncio.ensure_future(_checkpoint_or_crash())]
+
+    async def _checkpoint_or_crash() -> None:
+        try:
+            await _checkpoint()
+        except Exception as exc:  # the worker must not go on without its changelog
+            log.exception("checkpoint failed")
+            await app.crash(exc)
 
     async def _checkpoint() -> None:
-        """Changed states to the changelog, then ack the messages behind them."""
-        stream = streams[0]
-        for key, (event, new_state) in dirty.items():
-            engine.engine(key.split(":", 1)[0]).prune(new_state)
-            # The changelog record goes to the partition this entity's messages came from.
-            stream._set_current_event(event)
-            state[key] = new_state
-        stream._set_current_event(None)
-        dirty.clear()
-        for event in unacked:
-            await stream.ack(event)
-        unacked.clear()
-        last_checkpoint[0] = time.monotonic()
+        """Changed states to the changelog, then ack the messages behind them.
+
+        Runs beside the agent, a slice of entities at a time, so that encoding
+        the states never stalls the stream for long; batches keep flushing to
+        Redis meanwhile, and what they change waits for the next checkpoint.
+        """
+        async with checkpoint_lock:
+            stream = streams[0]
+            last_checkpoint[0] = time.monotonic()
+            writing.update(dirty)
+            dirty.clear()
+            acks = list(unacked)
+            unacked.clear()
+            items = list(writing.items())
+            for start in range(0, len(items), CHECKPOINT_SLICE):
+                for key, (event, new_state) in items[start : start + CHECKPOINT_SLICE]:
+                    engine.engine(key.split(":", 1)[0]).prune(new_state)
+                    # The changelog record goes to the partition its entity's messages use.
+                    stream._set_current_event(event)
+                    state[key] = new_state
+                    del writing[key]
+                stream._set_current_event(None)
+                await asyncio.sleep(0)
+            for event in acks:
+                await stream.ack(event)
 
     def _current(key: str) -> Any:
         seen = batch["touched"].get(key)
         if seen is not None:
             return seen[3]
-        held = dirty.get(key)
+        held = dirty.get(key) or writing.get(key)
         return held[1] if held is not None else state.get(key)
 
     async def _dead_letter(event: Any, value: bytes, exc: Exception, index: int | None) -> None:
@@ -485,7 +510,8 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         states, and those states would never reach the changelog.
         """
         if streams:
-            await _flush(checkpoint=True)
+            await _flush()
+            await _checkpoint()
 
     def _truncate(message: dict[str, Any], event: Any) -> None:
         partition = event.message.partition

@@ -255,5 +255,10 @@ def top_values(group: _Group, column: str, n: int) -> list[Any]:
     """Most frequent first; ties: most recent (newest row), then smallest value as text."""
     counts = group.counters[column]
     stamps = group.stamps[column]
-    ranked = sorted(counts, key=lambda v: (-counts[v], tuple(-x for x in stamps[v][-1]), str(v)))
-    return ranked[:n]
+    values = list(counts)
+    ranked = []
+    for i, value in enumerate(values):
+        t, lsn, seq = stamps[value][-1]
+        ranked.append((-counts[value], -t, -lsn, -seq, str(value), i))
+    ranked.sort()
+    return [values[entry[-1]] for entry in ranked[:n]]
