@@ -82,6 +82,7 @@ def make_settings(partitions: int, tag: str) -> dict[str, Any]:
             "bootstrap_servers": f"127.0.0.1:{free_port()}",
             "session_timeout_ms": 6000,
             "fetch_max_wait_ms": 20,
+            "max_batch_bytes": 1,  # Tansu: see KafkaSettings.max_batch_bytes
         },
         "connect": {"url": f"http://127.0.0.1:{free_port()}", "timeout_s": 30},
         "database": {
@@ -330,12 +331,18 @@ def throughput(
 # -- (b) freshness ----------------------------------------------------------------------------
 
 
-def histogram_quantiles(port: int, region: str, quantiles: tuple[float, ...]) -> dict[str, Any]:
-    samples = scrape(port, "edgefeed_pipeline_freshness_seconds_bucket")
+def histogram_quantiles(
+    port: int,
+    label: str,
+    quantiles: tuple[float, ...],
+    metric: str = "edgefeed_pipeline_freshness_seconds",
+) -> dict[str, Any]:
+    """Quantiles of a worker's histogram, for the series whose labels contain ``label``."""
+    samples = scrape(port, f"{metric}_bucket")
     buckets = sorted(
         (float("inf") if 'le="+Inf"' in k else float(k.split('le="')[1].split('"')[0]), v)
         for k, v in samples.items()
-        if f'region="{region}"' in k
+        if label in k
     )
     total = buckets[-1][1] if buckets else 0.0
     out: dict[str, Any] = {"count": total}
@@ -357,7 +364,8 @@ def histogram_quantiles(port: int, region: str, quantiles: tuple[float, ...]) ->
 
 
 class KafkaLatency(threading.Thread):
-    """Commit -> Kafka of the change records (Debezium's part), measured on the side."""
+    """Commit -> Kafka of the records of a topic, measured on the side: Debezium's
+    change events (Debezium's part), or the router's packs (Debezium's and the router's)."""
 
     def __init__(self, bootstrap: list[str], topic: str) -> None:
         super().__init__(daemon=True)
@@ -381,9 +389,13 @@ class KafkaLatency(threading.Thread):
                 batch = await consumer.getmany(timeout_ms=200, max_records=5000)
                 for records in batch.values():
                     for record in records:
-                        if record.value:
-                            source = json.loads(record.value)["source"]
-                            self.samples.append(record.timestamp - source["ts_ms"])
+                        if not record.value:
+                            continue
+                        body = orjson.loads(record.value)
+                        if isinstance(body, list):  # a router pack: each change's commit time
+                            self.samples.extend(record.timestamp - c["ts"] for c in body)
+                        else:  # a Debezium change event
+                            self.samples.append(record.timestamp - body["source"]["ts_ms"])
         finally:
             await consumer.stop()
 
@@ -416,13 +428,24 @@ def freshness(
         settings.kafka.bootstrap_servers, settings.sources[0].topic_for("public.events")
     )
     side.start()
+    routed = KafkaLatency(
+        settings.kafka.bootstrap_servers, settings.pipeline.region_topic("eu-west")
+    )
+    routed.start()
     time.sleep(1.0)
-    before = histogram_quantiles(port, "eu-west", (0.5, 0.99))["count"]
+    before = histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))["count"]
     result = load.run(rate, seconds)
     time.sleep(3.0)  # drain
-    side.stop_event.set()
-    side.join(timeout=10)
-    quantiles = histogram_quantiles(port, "eu-west", (0.5, 0.99))
+    for thread in (side, routed):
+        thread.stop_event.set()
+        thread.join(timeout=10)
+    quantiles = histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))
+    flushes = histogram_quantiles(
+        port, "region-eu-west", (0.5, 0.99), metric="edgefeed_pipeline_batch_seconds"
+    )
+    sizes = scrape(port, "edgefeed_pipeline_batch_size")
+    batches = sum(v for k, v in sizes.items() if k.startswith("edgefeed_pipeline_batch_size_count"))
+    changes = sum(v for k, v in sizes.items() if k.startswith("edgefeed_pipeline_batch_size_sum"))
     return {
         "rate_asked": rate,
         "rate_written": round(result.rate, 1),
@@ -433,6 +456,11 @@ def freshness(
         "commit_to_kafka_p50_ms": percentile(side.samples, 0.5),
         "commit_to_kafka_p99_ms": percentile(side.samples, 0.99),
         "kafka_samples": len(side.samples),
+        "worker_flush_p50_ms": round(flushes["p50_ms"], 1),
+        "worker_flush_p99_ms": round(flushes["p99_ms"], 1),
+        "worker_mean_batch": round(changes / batches, 1) if batches else 0.0,
+        "commit_to_region_topic_p50_ms": percentile(routed.samples, 0.5),
+        "commit_to_region_topic_p99_ms": percentile(routed.samples, 0.99),
     }
 
 
@@ -462,6 +490,12 @@ def main() -> None:
         help="pipeline.batch_catch_up (default: the example settings')",
     )
     parser.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=None,
+        help="pipeline.checkpoint_interval_s (default: the example settings')",
+    )
+    parser.add_argument(
         "--part",
         choices=("a", "b", "both"),
         default="both",
@@ -484,6 +518,8 @@ def main() -> None:
         mapping["pipeline"]["batch_within_ms"] = args.batch_within_ms
     if args.batch_catch_up is not None:
         mapping["pipeline"]["batch_catch_up"] = args.batch_catch_up
+    if args.checkpoint_interval_s is not None:
+        mapping["pipeline"]["checkpoint_interval_s"] = args.checkpoint_interval_s
     settings = settings_from_mapping(mapping)
     settings_file = state / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))
@@ -552,6 +588,15 @@ def main() -> None:
     print(
         f"    commit -> Kafka (Debezium alone): p50 {f['commit_to_kafka_p50_ms']:.0f} ms, "
         f"p99 {f['commit_to_kafka_p99_ms']:.0f} ms"
+    )
+    print(
+        f"    worker flushes (vectors + Redis write): p50 {f['worker_flush_p50_ms']:.0f} ms, "
+        f"p99 {f['worker_flush_p99_ms']:.0f} ms, mean batch {f['worker_mean_batch']:.0f} changes"
+    )
+    print(
+        f"    commit -> regional topic (Debezium and the router): "
+        f"p50 {f['commit_to_region_topic_p50_ms']:.0f} ms, "
+        f"p99 {f['commit_to_region_topic_p99_ms']:.0f} ms"
     )
 
 

@@ -25,9 +25,11 @@ from connectors.settings import TableSettings
 from edge_cache import AsyncFeatureWriter, Delete, RegionSettings, Upsert
 from pipeline.envelope import decode_change
 from pipeline.exceptions import PoisonEventError
-from pipeline.features import FeatureEngine
+from pipeline.features import EntityState, FeatureEngine
+from pipeline.gctune import GcTuner
 from pipeline.routing import Router
 from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
+from pipeline.statestore import rebuild_states, store_state
 
 __all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
 
@@ -174,10 +176,18 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
         "web_enabled": False,
         "stream_wait_empty": False,
         "producer_linger": kafka.linger_ms / 1000.0,
+        "producer_max_batch_size": kafka.max_batch_bytes,
     }
     options.update(overrides)
     options.update(config.extra_faust)
-    return faust.App(app_id, **options)
+    app = faust.App(app_id, **options)
+    tuner = GcTuner(full_every_s=pipeline.gc_full_interval_s)
+
+    @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
+    async def tune_gc() -> None:
+        tuner.tick()
+
+    return app
 
 
 def _dead_letter_headers(reason: str, message: str, event: Any, stage: str) -> dict[str, bytes]:
@@ -193,7 +203,7 @@ def _dead_letter_headers(reason: str, message: str, event: Any, stage: str) -> d
 
 
 PACK_BYTES = 256 * 1024
-CHECKPOINT_SLICE = 16  # entity states encoded between yields to the event loop
+CHECKPOINT_SLICE = 16  # entity states written between yields to the event loop
 
 
 def pack_changes(bodies: Sequence[bytes], limit: int = PACK_BYTES) -> list[bytes]:
@@ -320,11 +330,15 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         key_serializer="raw",
         value_serializer="raw",
     )
-    # Keys are ``entity:id`` strings, values dicts: both JSON in the changelog.
+    # The states as the changelog holds them: one record per entity and one per row
+    # (pipeline.statestore), so a checkpoint writes only what changed.
     state = app.Table("entities", partitions=partitions, key_type=str)
     # Faust picks a table's codec from its value type ("json" for plain dicts); the
     # states go through orjson instead (set before the changelog topic is made).
     state.value_serializer = STATE_CODEC  # type: ignore[attr-defined]
+    # The working states of this worker's entities, rebuilt from the table after
+    # every recovery, and the only ones the agent reads.
+    live: dict[str, EntityState] = {}
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
     holder: dict[str, AsyncFeatureWriter] = {}
@@ -346,23 +360,24 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
     # batch_catch_up times as old as the last flush took, so a worker that falls
     # behind takes bigger batches (the fixed cost of a flush is shared by more
     # changes) instead of falling further behind.
-    # Checkpoints: every checkpoint_interval_s the states changed since the last one
-    # go to the changelog (one record per entity, however many batches touched it),
-    # and only then are the messages behind them acked. A restarted worker recovers
-    # the states of the last checkpoint and replays what came after (idempotently).
-    batch: dict[str, Any] = {"messages": 0, "changes": 0, "touched": {}, "first": None}
+    # Checkpoints: every checkpoint_interval_s what changed since the last one goes
+    # to the changelog (each changed row once, however many batches touched it, and
+    # each changed entity's position), and only then are the messages behind it
+    # acked. A restarted worker recovers the states of the last checkpoint and
+    # replays what came after (idempotently).
+    batch: dict[str, Any] = {"events": [], "changes": 0, "touched": {}, "first": None}
     batch["last_flush"] = 0.0
     checkpoint_s = config.pipeline.checkpoint_interval_s
     # key -> (entity event, state): changed since the last checkpoint.
-    dirty: dict[str, tuple[Any, dict[str, Any]]] = {}
-    unacked: list[Any] = []
+    dirty: dict[str, tuple[Any, EntityState]] = {}
+    # Messages whose changes were flushed (their states are in dirty or written):
+    # the next checkpoint acks them. A batch's messages join only when it flushes.
+    ready: list[Any] = []
     last_checkpoint = [time.monotonic()]
     catch_up = config.pipeline.batch_catch_up
     flush_lock = asyncio.Lock()
     checkpoint_lock = asyncio.Lock()
     checkpoints: list[asyncio.Future[None]] = []  # the one running, kept referenced
-    # key -> (entity event, state): taken by the running checkpoint, not yet written.
-    writing: dict[str, tuple[Any, dict[str, Any]]] = {}
     streams: list[Any] = []
 
     def _due(now: float) -> bool:
@@ -376,24 +391,25 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
 
     async def _flush() -> None:
         async with flush_lock:
-            touched: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = batch["touched"]
+            touched: dict[str, tuple[Any, Any, Any, EntityState]] = batch["touched"]
             changes = batch["changes"]
-            pending = batch["messages"]
-            batch.update(messages=0, changes=0, touched={}, first=None)
+            events: list[Any] = batch["events"]
+            batch.update(events=[], changes=0, touched={}, first=None)
             started = time.perf_counter()
-            if pending:
+            if events:
                 ops: list[Upsert | Delete] = []
                 for key, (entity, entity_id, event, new_state) in touched.items():
                     dirty[key] = (event, new_state)
                     ops.append(entity.write_op(entity_id, new_state))
                 if ops:
                     await _write(ops)
+                ready.extend(events)  # in Redis now: acked at the next checkpoint
                 elapsed = time.perf_counter() - started
                 batch["last_flush"] = elapsed
                 batch_sizes.observe(changes)
                 batch_seconds.observe(elapsed)
             elapsed_s = time.monotonic() - last_checkpoint[0]
-            if unacked and elapsed_s >= checkpoint_s and not checkpoint_lock.locked():
+            if ready and elapsed_s >= checkpoint_s and not checkpoint_lock.locked():
                 checkpoints[:] = [asyncio.ensure_future(_checkpoint_or_crash())]
 
     async def _checkpoint_or_crash() -> None:
@@ -404,38 +420,46 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             await app.crash(exc)
 
     async def _checkpoint() -> None:
-        """Changed states to the changelog, then ack the messages behind them.
+        """What changed to the changelog, then ack the messages behind it.
 
-        Runs beside the agent, a slice of entities at a time, so that encoding
-        the states never stalls the stream for long; batches keep flushing to
-        Redis meanwhile, and what they change waits for the next checkpoint.
+        Runs beside the agent, a slice of entities at a time, so that it never
+        stalls the stream for long; batches keep flushing to Redis meanwhile, and
+        what they change waits for the next checkpoint.
         """
         async with checkpoint_lock:
             stream = streams[0]
             last_checkpoint[0] = time.monotonic()
-            writing.update(dirty)
+            items = list(dirty.items())
             dirty.clear()
-            acks = list(unacked)
-            unacked.clear()
-            items = list(writing.items())
+            acks = list(ready)
+            ready.clear()
             for start in range(0, len(items), CHECKPOINT_SLICE):
-                for key, (event, new_state) in items[start : start + CHECKPOINT_SLICE]:
-                    engine.engine(key.split(":", 1)[0]).prune(new_state)
-                    # The changelog record goes to the partition its entity's messages use.
+                for key, (event, current) in items[start : start + CHECKPOINT_SLICE]:
+                    engine.engine(key.split(":", 1)[0]).prune(current)
+                    # The records go to the partition its entity's messages use.
                     stream._set_current_event(event)
-                    state[key] = new_state
-                    del writing[key]
+                    store_state(state, key, current)
                 stream._set_current_event(None)
                 await asyncio.sleep(0)
             for event in acks:
                 await stream.ack(event)
 
-    def _current(key: str) -> Any:
-        seen = batch["touched"].get(key)
-        if seen is not None:
-            return seen[3]
-        held = dirty.get(key) or writing.get(key)
-        return held[1] if held is not None else state.get(key)
+    @state.on_recover
+    async def rebuild_live_states() -> None:
+        """After a (re)assignment: the working states of the partitions now ours."""
+        topic = changes.get_topic_name()
+        ours = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
+        live.clear()
+        live.update(
+            rebuild_states(
+                state.items(),
+                lambda key: partitioner(key.encode(), all_partitions, all_partitions) in ours,
+            )
+        )
+        log.info("recovered %d entity states for partitions %s", len(live), sorted(ours))
+
+    def _current(key: str) -> EntityState | None:
+        return live.get(key)
 
     async def _dead_letter(event: Any, value: bytes, exc: Exception, index: int | None) -> None:
         reason = exc.reason if isinstance(exc, PoisonEventError) else "invalid"
@@ -459,6 +483,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         key = f"{message['e']}:{message['id']}"
         new_state, changed = entity.apply(_current(key), message)
         if changed and new_state is not None:
+            live[key] = new_state
             batch["touched"][key] = (entity, message["id"], event, new_state)
             applied_events.inc()
         else:
@@ -471,8 +496,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         async for event in stream.events():
             if batch["first"] is None:
                 batch["first"] = time.perf_counter()
-            batch["messages"] += 1
-            unacked.append(event)
+            batch["events"].append(event)
             value = event.value or b""
             try:
                 decoded = orjson.loads(value)
@@ -497,7 +521,7 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
         and checkpoint once the interval has passed."""
         now = time.perf_counter()
         if streams and (
-            _due(now) or (unacked and time.monotonic() - last_checkpoint[0] >= checkpoint_s)
+            _due(now) or (ready and time.monotonic() - last_checkpoint[0] >= checkpoint_s)
         ):
             await _flush()
 
@@ -515,12 +539,11 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
 
     def _truncate(message: dict[str, Any], event: Any) -> None:
         partition = event.message.partition
-        keys = {*state.keys(), *dirty, *batch["touched"]}
-        for key in keys:
+        for key in list(live):
             # The router's keys decide partitions; only this partition's entities are ours.
             if partitioner(key.encode(), all_partitions, all_partitions) != partition:
                 continue  # another partition's copy of the truncate handles it
-            current = _current(key)
+            current = live[key]
             entity_type, entity_id = key.split(":", 1)
             entity = engine.engine(entity_type)
             if entity.truncate(current, message):

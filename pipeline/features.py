@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_cache import Delete, Feature, FeatureSchema, Position, Upsert
 from pipeline.exceptions import PoisonEventError
@@ -36,6 +36,7 @@ __all__ = ["EntityEngine", "EntityState", "FeatureEngine", "event_time_ms"]
 # Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
 _LSN, _SEQ, _T, _DEL, _VALS = range(5)
 _U32 = 2**32 - 1
+_S = TypeVar("_S", bound=dict[str, Any])
 
 
 def event_time_ms(value: Any, fallback_ms: int) -> int:
@@ -98,14 +99,22 @@ def _coerce(value: Any, dtype: str, where: str) -> Any:
 
 
 class EntityState(dict[str, Any]):
-    """An entity's state (a plain dict in the changelog) and, in memory only, its
-    aggregate index: table -> TableIndex, built from the rows when first needed."""
+    """An entity's state, and in memory only: its aggregate index (table ->
+    TableIndex, built from the rows when first needed) and the rows changed since
+    the state last went to the changelog (``(table, pk)``; a pk no longer in the
+    rows was removed)."""
 
-    __slots__ = ("index",)
+    __slots__ = ("changed", "index")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.index: dict[str, TableIndex] | None = None
+        self.changed: set[tuple[str, str]] = set()
+
+    def take_changes(self) -> set[tuple[str, str]]:
+        """The rows changed since the last call."""
+        changed, self.changed = self.changed, set()
+        return changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +199,7 @@ class EntityEngine:
 
     def apply(
         self, state: dict[str, Any] | None, message: Mapping[str, Any]
-    ) -> tuple[dict[str, Any] | None, bool]:
+    ) -> tuple[EntityState, bool]:
         """Apply one regional message.
 
         Returns:
@@ -211,13 +220,13 @@ class EntityEngine:
         if op == "x":
             if gone is not None and tuple(gone) >= position:
                 return state, False
-            return self._stamp(
-                EntityState(
-                    rows={}, lsn=state["lsn"], rev=state["rev"], ts=state["ts"], gone=[lsn, seq]
-                ),
-                lsn,
-                message["ts"],
-            ), True
+            removed = EntityState(
+                rows={}, lsn=state["lsn"], rev=state["rev"], ts=state["ts"], gone=[lsn, seq]
+            )
+            removed.changed = state.changed | {
+                (table, pk) for table, rows in state["rows"].items() for pk in rows
+            }
+            return self._stamp(removed, lsn, message["ts"]), True
         if gone is not None and tuple(gone) >= position:
             return state, False  # older than the entity's removal
         table = message["t"]
@@ -248,6 +257,7 @@ class EntityEngine:
             rows[pk] = [lsn, seq, event_ms, 0, values]
         if index is not None:
             index.replace(pk, current, rows[pk], rows)
+        state.changed.add((table, pk))
         if gone is not None:
             state["gone"] = None
         return self._stamp(state, lsn, message["ts"]), True
@@ -257,6 +267,8 @@ class EntityEngine:
         rows = state["rows"].pop(message["t"], None)
         if not rows:
             return False
+        if isinstance(state, EntityState):
+            state.changed.update((message["t"], pk) for pk in rows)
         if isinstance(state, EntityState) and state.index is not None:
             state.index.pop(message["t"], None)
             if message["t"] in self._windows:
@@ -267,7 +279,7 @@ class EntityEngine:
         return True
 
     @staticmethod
-    def _stamp(state: dict[str, Any], lsn: int, ts: int) -> dict[str, Any]:
+    def _stamp(state: _S, lsn: int, ts: int) -> _S:
         state["lsn"] = max(int(state["lsn"]), lsn)
         state["rev"] = (int(state["rev"]) + 1) & _U32
         state["ts"] = max(int(state["ts"]), int(ts))
@@ -305,6 +317,8 @@ class EntityEngine:
             cut = [pk for pk, entry in newest if entry[_T] < horizon and pk not in keep]
             for pk in cut:
                 del rows[pk]
+            if isinstance(state, EntityState):
+                state.changed.update((table, pk) for pk in cut)
             marks[table] = 2 * len(rows)
             if cut and isinstance(state, EntityState) and state.index is not None:
                 index = state.index.get(table)

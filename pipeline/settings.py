@@ -277,6 +277,10 @@ class PipelineSettings(BaseModel):
             events behind them. Redis is written every batch regardless; this
             bounds what a restarted worker replays (at most this much) and makes
             a hot entity cost one changelog record per interval, not per batch.
+        gc_full_interval_s: How often the pipeline processes run a full garbage
+            collection; in between, long-lived objects are frozen out of the
+            collector's sight (see pipeline.gctune): full collections of a big
+            state paused a worker for hundreds of milliseconds.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -291,6 +295,7 @@ class PipelineSettings(BaseModel):
     batch_catch_up: float = Field(default=2.0, ge=0.0, le=20.0)
     commit_interval_s: float = Field(default=1.0, gt=0)
     checkpoint_interval_s: float = Field(default=1.0, gt=0, le=60)
+    gc_full_interval_s: float = Field(default=600.0, ge=10)
 
     def region_topic(self, region: str) -> str:
         return f"{self.region_topic_prefix}.{region}"
@@ -316,6 +321,12 @@ class KafkaSettings(BaseModel):
         linger_ms: How long a producer holds records to send them together.
             A few milliseconds turns hundreds of tiny produce requests a second
             into a few larger ones (less work for the pipeline and the broker).
+        max_batch_bytes: Producer batch size (aiokafka's max_batch_size). Keep
+            Kafka's 16384 on Apache Kafka. On Tansu 0.6 (the local stack) set 1:
+            it reports a partition's end offset as the start of its last record
+            batch, so a restarted worker that restores its state from the
+            changelog stops reading before the last batch's later records and
+            loses them; with one record per batch the end offset is right.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -325,6 +336,7 @@ class KafkaSettings(BaseModel):
     session_timeout_ms: int = Field(default=10_000, ge=1_000)
     fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
     linger_ms: int = Field(default=5, ge=0, le=1000)
+    max_batch_bytes: int = Field(default=16384, ge=1)
 
     @field_validator("bootstrap_servers", mode="before")
     @classmethod

@@ -91,6 +91,22 @@ async def read_all(bootstrap: list[str], topic: str) -> list[Any]:
         await consumer.stop()
 
 
+async def committed_total(bootstrap: list[str], group: str, topic: str) -> int:
+    """The group's committed offsets on ``topic``, summed over partitions."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()
+        total = 0
+        for p in sorted(consumer.partitions_for_topic(topic) or []):
+            total += await consumer.committed(TopicPartition(topic, p)) or 0
+        return total
+    finally:
+        await consumer.stop()
+
+
 async def caught_up(bootstrap: list[str], group: str, topic: str) -> bool:
     # committed() fetches the group's offsets without joining the group.
     consumer = AIOKafkaConsumer(
@@ -284,6 +300,12 @@ def test_kill_9_of_a_regional_worker_mid_stream_loses_no_update(pipeline_run: Pi
         "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
         "(1004, 'eu-west', 'FR', 1, 'd@example.org')",
     )
+    bootstrap = run.settings.kafka.bootstrap_servers
+    topic = run.settings.pipeline.region_topic("eu-west")
+    group = run.settings.pipeline.region_app_id("eu-west")
+    before_views = (vector(run, "eu-west", "user", 1001) or {}).get("views_30m")
+    assert before_views, "user 1001 (an earlier test) should have views by now"
+    committed_before = asyncio.run(committed_total(bootstrap, group, topic))
     total = 120
     inserted = threading.Event()
 
@@ -295,9 +317,16 @@ def test_kill_9_of_a_regional_worker_mid_stream_loses_no_update(pipeline_run: Pi
 
     writer = threading.Thread(target=load)
     writer.start()
+    # Kill only after a checkpoint covered some of user 1004's events: their messages
+    # are committed and will not come again, so the restarted worker must take them
+    # from the changelog.
     wait_for(
-        "the first updates of user 1004",
-        lambda: (vector(run, "eu-west", "user", 1004) or {}).get("views_30m", 0) > 0,
+        "a checkpoint in the middle of user 1004's events",
+        lambda: (
+            (vector(run, "eu-west", "user", 1004) or {}).get("views_30m", 0) > 0
+            and asyncio.run(committed_total(bootstrap, group, topic)) > committed_before
+            and not inserted.is_set()
+        ),
     )
     run.kill9("eu-west")
     run.start("eu-west")
@@ -310,3 +339,9 @@ def test_kill_9_of_a_regional_worker_mid_stream_loses_no_update(pipeline_run: Pi
     )
     final = vector(run, "eu-west", "user", 1004)
     assert final is not None and final["distinct_items_1h"] == total
+    # An entity checkpointed long before the kill goes on from its recovered state.
+    add_event(run, 1001, 777, 4, "3.00", "eu-west", "view", 1)
+    wait_for(
+        "user 1001's next view counted on top of its recovered ones",
+        lambda: (vector(run, "eu-west", "user", 1001) or {}).get("views_30m") == before_views + 1,
+    )
