@@ -82,7 +82,6 @@ def make_settings(partitions: int, tag: str) -> dict[str, Any]:
             "bootstrap_servers": f"127.0.0.1:{free_port()}",
             "session_timeout_ms": 6000,
             "fetch_max_wait_ms": 20,
-            "max_batch_bytes": 1,  # Tansu: see KafkaSettings.max_batch_bytes
         },
         "connect": {"url": f"http://127.0.0.1:{free_port()}", "timeout_s": 30},
         "database": {

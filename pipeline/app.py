@@ -29,7 +29,7 @@ from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
 from pipeline.routing import Router
 from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
-from pipeline.statestore import rebuild_states, store_state
+from pipeline.statestore import checkpoint_key, rebuild_states, store_state
 
 __all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
 
@@ -176,7 +176,6 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
         "web_enabled": False,
         "stream_wait_empty": False,
         "producer_linger": kafka.linger_ms / 1000.0,
-        "producer_max_batch_size": kafka.max_batch_bytes,
     }
     options.update(overrides)
     options.update(config.extra_faust)
@@ -433,14 +432,28 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
             dirty.clear()
             acks = list(ready)
             ready.clear()
+            by_partition: dict[int, Any] = {}
             for start in range(0, len(items), CHECKPOINT_SLICE):
                 for key, (event, current) in items[start : start + CHECKPOINT_SLICE]:
                     engine.engine(key.split(":", 1)[0]).prune(current)
                     # The records go to the partition its entity's messages use.
                     stream._set_current_event(event)
                     store_state(state, key, current)
+                    by_partition[event.message.partition] = event
                 stream._set_current_event(None)
                 await asyncio.sleep(0)
+            if by_partition:
+                # Close each changelog partition written to with a record in a batch
+                # of its own. Tansu (the local broker) reports a partition's end as
+                # the start of its last record batch, and Faust's recovery reads
+                # only up to that end: anything after the first record of a final
+                # batch would be lost on restart. Harmless on Kafka.
+                await app.producer.flush()
+                for partition, event in by_partition.items():
+                    stream._set_current_event(event)
+                    state[checkpoint_key(partition)] = {"at_ms": int(time.time() * 1000)}
+                stream._set_current_event(None)
+                await app.producer.flush()
             for event in acks:
                 await stream.ack(event)
 

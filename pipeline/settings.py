@@ -321,12 +321,6 @@ class KafkaSettings(BaseModel):
         linger_ms: How long a producer holds records to send them together.
             A few milliseconds turns hundreds of tiny produce requests a second
             into a few larger ones (less work for the pipeline and the broker).
-        max_batch_bytes: Producer batch size (aiokafka's max_batch_size). Keep
-            Kafka's 16384 on Apache Kafka. On Tansu 0.6 (the local stack) set 1:
-            it reports a partition's end offset as the start of its last record
-            batch, so a restarted worker that restores its state from the
-            changelog stops reading before the last batch's later records and
-            loses them; with one record per batch the end offset is right.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -336,7 +330,6 @@ class KafkaSettings(BaseModel):
     session_timeout_ms: int = Field(default=10_000, ge=1_000)
     fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
     linger_ms: int = Field(default=5, ge=0, le=1000)
-    max_batch_bytes: int = Field(default=16384, ge=1)
 
     @field_validator("bootstrap_servers", mode="before")
     @classmethod

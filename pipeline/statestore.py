@@ -5,7 +5,8 @@ One record per entity and one per row, so that a checkpoint writes what changed
 
 - ``entity:id`` -> the entity's position and bookkeeping (``lsn``, ``rev``,
   ``ts``, ``gone``, ``marks``), without its rows;
-- ``entity:id<US>table<US>pk`` -> one row entry (``<US>`` is ``\\x1f``).
+- ``entity:id<US>table<US>pk`` -> one row entry (``<US>`` is ``\\x1f``);
+- ``<US>checkpoint<US>partition`` -> when the partition's last checkpoint ended.
 
 The worker keeps its working states in memory (EntityState objects) and writes
 them here at checkpoints; after a recovery it rebuilds them from here.
@@ -18,9 +19,14 @@ from typing import Any
 
 from pipeline.features import EntityState
 
-__all__ = ["ROW_SEP", "rebuild_states", "store_state"]
+__all__ = ["ROW_SEP", "checkpoint_key", "rebuild_states", "store_state"]
 
 ROW_SEP = "\x1f"
+
+
+def checkpoint_key(partition: int) -> str:
+    """The key of the record that closes a checkpoint on a changelog partition."""
+    return f"{ROW_SEP}checkpoint{ROW_SEP}{partition}"
 
 
 def store_state(table: MutableMapping[str, Any], key: str, state: EntityState) -> int:
@@ -50,7 +56,7 @@ def rebuild_states(
     rows_of: dict[str, list[tuple[str, str, list[Any]]]] = {}
     for stored_key, value in records:
         key, sep, rest = stored_key.partition(ROW_SEP)
-        if not owned(key):
+        if not key or not owned(key):  # not an entity's: a checkpoint's closing record
             continue
         if sep:
             name, _, pk = rest.partition(ROW_SEP)

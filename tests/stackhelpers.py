@@ -53,7 +53,6 @@ def stack_settings_mapping(ports: list[int]) -> dict[str, object]:
             "bootstrap_servers": f"127.0.0.1:{broker}",
             "session_timeout_ms": 6000,
             "fetch_max_wait_ms": 20,
-            "max_batch_bytes": 1,  # Tansu: see KafkaSettings.max_batch_bytes
         },
         "connect": {"url": f"http://127.0.0.1:{connect}", "timeout_s": 15},
         "database": {

@@ -8,7 +8,7 @@ from typing import Any
 
 from edgefeed.settings import load_settings
 from pipeline.features import EntityState, FeatureEngine
-from pipeline.statestore import ROW_SEP, rebuild_states, store_state
+from pipeline.statestore import ROW_SEP, checkpoint_key, rebuild_states, store_state
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = FeatureEngine(load_settings(ROOT / "examples" / "edgefeed.yaml", env={}).entities)
@@ -97,6 +97,7 @@ def test_rebuild_keeps_only_owned_entities_and_reads_states_written_whole() -> N
         "user:8": whole,
         "user:9": {"lsn": 6, "rev": 1, "ts": T0, "gone": None},
         f"user:9{ROW_SEP}public.users{ROW_SEP}9": [6, 0, T0, 0, {"segment": 1}],
+        checkpoint_key(0): {"at_ms": T0},  # closes a checkpoint: not an entity
     }
     states = rebuild_states(table.items(), lambda key: key != "user:9")
     assert list(states) == ["user:8"]
