@@ -441,6 +441,11 @@ def build_region_app(config: PipelineConfig, region_name: str) -> faust.App:
                     store_state(state, key, current)
                     by_partition[event.message.partition] = event
                 stream._set_current_event(None)
+                # Let the producer catch up here, rather than have Faust stall the
+                # stream once its buffer of table records passes 100.
+                buffer = app.producer.buffer
+                if buffer.size > 50:
+                    await buffer.flush_atmost(buffer.size)
                 await asyncio.sleep(0)
             if by_partition:
                 # Close each changelog partition written to with a record in a batch

@@ -31,7 +31,7 @@ from pipeline.exceptions import PoisonEventError
 from pipeline.settings import AggregateFeature, EntitySettings
 from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, WindowSpec, top_values
 
-__all__ = ["EntityEngine", "EntityState", "FeatureEngine", "event_time_ms"]
+__all__ = ["CHUNK_MS", "EntityEngine", "EntityState", "FeatureEngine", "chunk_of", "event_time_ms"]
 
 # Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
 _LSN, _SEQ, _T, _DEL, _VALS = range(5)
@@ -98,21 +98,28 @@ def _coerce(value: Any, dtype: str, where: str) -> Any:
     raise PoisonEventError("wrong-type", f"{where}: value {value!r} is not a valid {dtype}")
 
 
+CHUNK_MS = 10_000  # rows go to the changelog in chunks of this much event time
+
+
+def chunk_of(event_ms: int) -> int:
+    """The changelog chunk of a row with this event time."""
+    return event_ms // CHUNK_MS
+
+
 class EntityState(dict[str, Any]):
     """An entity's state, and in memory only: its aggregate index (table ->
-    TableIndex, built from the rows when first needed) and the rows changed since
-    the state last went to the changelog (``(table, pk)``; a pk no longer in the
-    rows was removed)."""
+    TableIndex, built from the rows when first needed) and the row chunks changed
+    since the state last went to the changelog (``(table, chunk)``)."""
 
     __slots__ = ("changed", "index")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.index: dict[str, TableIndex] | None = None
-        self.changed: set[tuple[str, str]] = set()
+        self.changed: set[tuple[str, int]] = set()
 
-    def take_changes(self) -> set[tuple[str, str]]:
-        """The rows changed since the last call."""
+    def take_changes(self) -> set[tuple[str, int]]:
+        """The row chunks changed since the last call."""
         changed, self.changed = self.changed, set()
         return changed
 
@@ -224,7 +231,9 @@ class EntityEngine:
                 rows={}, lsn=state["lsn"], rev=state["rev"], ts=state["ts"], gone=[lsn, seq]
             )
             removed.changed = state.changed | {
-                (table, pk) for table, rows in state["rows"].items() for pk in rows
+                (table, chunk_of(e[_T]))
+                for table, rows in state["rows"].items()
+                for e in rows.values()
             }
             return self._stamp(removed, lsn, message["ts"]), True
         if gone is not None and tuple(gone) >= position:
@@ -257,7 +266,9 @@ class EntityEngine:
             rows[pk] = [lsn, seq, event_ms, 0, values]
         if index is not None:
             index.replace(pk, current, rows[pk], rows)
-        state.changed.add((table, pk))
+        state.changed.add((table, chunk_of(rows[pk][_T])))
+        if current is not None:
+            state.changed.add((table, chunk_of(current[_T])))
         if gone is not None:
             state["gone"] = None
         return self._stamp(state, lsn, message["ts"]), True
@@ -268,7 +279,7 @@ class EntityEngine:
         if not rows:
             return False
         if isinstance(state, EntityState):
-            state.changed.update((message["t"], pk) for pk in rows)
+            state.changed.update((message["t"], chunk_of(e[_T])) for e in rows.values())
         if isinstance(state, EntityState) and state.index is not None:
             state.index.pop(message["t"], None)
             if message["t"] in self._windows:
@@ -315,10 +326,10 @@ class EntityEngine:
                     keep.update(self._newest_matching(agg, newest))
             horizon = ref - needs.retention_ms
             cut = [pk for pk, entry in newest if entry[_T] < horizon and pk not in keep]
+            if isinstance(state, EntityState):
+                state.changed.update((table, chunk_of(rows[pk][_T])) for pk in cut)
             for pk in cut:
                 del rows[pk]
-            if isinstance(state, EntityState):
-                state.changed.update((table, pk) for pk in cut)
             marks[table] = 2 * len(rows)
             if cut and isinstance(state, EntityState) and state.index is not None:
                 index = state.index.get(table)

@@ -1,11 +1,13 @@
 """How a regional worker's entity states sit in its Faust table (and changelog).
 
-One record per entity and one per row, so that a checkpoint writes what changed
-(a few small records) and never a hot entity's thousands of rows again:
+One record per entity and one per chunk of its rows (rows whose event times fall
+in the same CHUNK_MS span), so that a checkpoint writes what changed (the entity
+record and, mostly, its newest chunk) and never a hot entity's thousands of rows
+again:
 
 - ``entity:id`` -> the entity's position and bookkeeping (``lsn``, ``rev``,
   ``ts``, ``gone``, ``marks``), without its rows;
-- ``entity:id<US>table<US>pk`` -> one row entry (``<US>`` is ``\\x1f``);
+- ``entity:id<US>table<US>chunk`` -> ``{pk: row entry}`` (``<US>`` is ``\\x1f``);
 - ``<US>checkpoint<US>partition`` -> when the partition's last checkpoint ended.
 
 The worker keeps its working states in memory (EntityState objects) and writes
@@ -17,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
-from pipeline.features import EntityState
+from pipeline.features import CHUNK_MS, EntityState, chunk_of
 
 __all__ = ["ROW_SEP", "checkpoint_key", "rebuild_states", "store_state"]
 
 ROW_SEP = "\x1f"
+_T = 2  # a row entry's event time (see pipeline.features)
 
 
 def checkpoint_key(partition: int) -> str:
@@ -30,19 +33,20 @@ def checkpoint_key(partition: int) -> str:
 
 
 def store_state(table: MutableMapping[str, Any], key: str, state: EntityState) -> int:
-    """Write the entity record and the rows changed since the last call; returns the
-    number of records written."""
+    """Write the entity record and the row chunks changed since the last call; returns
+    the number of records written."""
     table[key] = {k: v for k, v in state.items() if k != "rows"}
     written = 1
     rows = state["rows"]
-    for name, pk in state.take_changes():
-        row_key = f"{key}{ROW_SEP}{name}{ROW_SEP}{pk}"
-        entry = rows.get(name, {}).get(pk)
-        if entry is not None:
-            table[row_key] = entry
+    for name, chunk in state.take_changes():
+        chunk_key = f"{key}{ROW_SEP}{name}{ROW_SEP}{chunk}"
+        low, high = chunk * CHUNK_MS, (chunk + 1) * CHUNK_MS
+        entries = {pk: e for pk, e in rows.get(name, {}).items() if low <= e[_T] < high}
+        if entries:
+            table[chunk_key] = entries
             written += 1
-        elif row_key in table:
-            del table[row_key]
+        elif chunk_key in table:
+            del table[chunk_key]
             written += 1
     return written
 
@@ -59,14 +63,14 @@ def rebuild_states(
         if not key or not owned(key):  # not an entity's: a checkpoint's closing record
             continue
         if sep:
-            name, _, pk = rest.partition(ROW_SEP)
-            rows_of.setdefault(key, []).append((name, pk, value))
+            name, _, _chunk = rest.partition(ROW_SEP)
+            rows_of.setdefault(key, []).extend((name, pk, e) for pk, e in value.items())
             continue
         restored = EntityState(value)
         # A state written whole (rows included, before per-row records): its rows go
         # out as row records at the next checkpoint.
         rows = restored["rows"] = {t: dict(r) for t, r in (restored.get("rows") or {}).items()}
-        restored.changed.update((t, pk) for t, r in rows.items() for pk in r)
+        restored.changed.update((t, chunk_of(e[_T])) for t, r in rows.items() for e in r.values())
         states[key] = restored
     for key, entries in rows_of.items():
         found = states.get(key)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from edgefeed.settings import load_settings
-from pipeline.features import EntityState, FeatureEngine
+from pipeline.features import EntityState, FeatureEngine, chunk_of
 from pipeline.statestore import ROW_SEP, checkpoint_key, rebuild_states, store_state
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,12 +55,20 @@ def test_checkpoints_write_only_what_changed_and_rebuild_the_same_state() -> Non
         if i % 9 == 0:  # a checkpoint now and then
             USER.prune(state)
             written = store_state(table, "user:7", state)
-            assert written <= 1 + 9 + 1  # the entity record and the rows changed since the last
+            # The entity record and the chunks changed since the last checkpoint: 9
+            # changes a second apart fall in at most 3 chunks of 10 s (plus the users row).
+            assert written <= 1 + 4
     assert state is not None
     store_state(table, "user:7", state)
     assert store_state(table, "user:7", state) == 1  # nothing changed: the entity record only
-    rows = [k for k in table if ROW_SEP in k]
-    assert len(rows) == sum(len(r) for r in state["rows"].values())
+    chunks = {k for k in table if ROW_SEP in k}
+    expected = {
+        f"user:7{ROW_SEP}{t}{ROW_SEP}{chunk_of(e[2])}"
+        for t, rows in state["rows"].items()
+        for e in rows.values()
+    }
+    assert chunks == expected
+    assert sum(len(table[k]) for k in chunks) == sum(len(r) for r in state["rows"].values())
     rebuilt = rebuild_states(table.items(), lambda key: True)["user:7"]
     assert USER.vector(rebuilt) == USER.vector(state)
     assert (rebuilt["lsn"], rebuilt["rev"]) == (state["lsn"], state["rev"])
@@ -96,7 +104,7 @@ def test_rebuild_keeps_only_owned_entities_and_reads_states_written_whole() -> N
     table = {
         "user:8": whole,
         "user:9": {"lsn": 6, "rev": 1, "ts": T0, "gone": None},
-        f"user:9{ROW_SEP}public.users{ROW_SEP}9": [6, 0, T0, 0, {"segment": 1}],
+        f"user:9{ROW_SEP}public.users{ROW_SEP}{chunk_of(T0)}": {"9": [6, 0, T0, 0, {"segment": 1}]},
         checkpoint_key(0): {"at_ms": T0},  # closes a checkpoint: not an entity
     }
     states = rebuild_states(table.items(), lambda key: key != "user:9")
@@ -104,5 +112,7 @@ def test_rebuild_keeps_only_owned_entities_and_reads_states_written_whole() -> N
     assert USER.vector(states["user:8"])["segment"] == 3
     # The rows of a state written whole go out as row records at the next checkpoint.
     store_state(table, "user:8", states["user:8"])
-    assert table[f"user:8{ROW_SEP}public.users{ROW_SEP}8"] == [5, 0, T0, 0, {"segment": 3}]
+    assert table[f"user:8{ROW_SEP}public.users{ROW_SEP}{chunk_of(T0)}"] == {
+        "8": [5, 0, T0, 0, {"segment": 3}]
+    }
     assert "rows" not in table["user:8"]
