@@ -1,10 +1,11 @@
 """Benchmark of the pipeline (quoted in docs/benchmarks.md).
 
 (a) Events per second one regional worker process sustains: edgefeed's region
-    app (``take_events`` batches, one pipelined Redis round trip per batch)
-    against a plain per-event Faust agent running the same feature engine and
-    writing each vector as it comes (one Redis round trip per event), both
-    consuming the same pre-filled regional change topic in the same run.
+    app (reading the router's packs of changes, continuous batches, one
+    pipelined Redis round trip per batch) against a plain per-event Faust agent
+    (one message per change, the same feature engine, each vector written as it
+    comes: one Redis round trip per change), both consuming the same changes,
+    pre-filled, in the same run.
 (b) Freshness, PostgreSQL commit -> Redis write, p50 and p99, at a steady rate
     of changes per second (2,000 by default) written by the demo load
     generator, with Debezium, the router and one regional worker on this

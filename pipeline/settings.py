@@ -269,8 +269,7 @@ class PipelineSettings(BaseModel):
         batch_within_ms: Age at which a batch closes when the worker keeps up.
         batch_catch_up: A batch also stays open until it is this many times as old
             as the last flush took: a worker that falls behind takes bigger batches.
-            Higher values favour throughput, lower ones freshness (2: balanced,
-            4: about 40% more events/s per process in docs/benchmarks.md).
+            Higher values favour throughput, lower ones freshness.
         commit_interval_s: How often consumed offsets are committed.
         checkpoint_interval_s: How often a regional worker writes the entity
             states it changed to the changelog topic, and only then acks the
