@@ -91,23 +91,10 @@ async def read_all(bootstrap: list[str], topic: str) -> list[Any]:
         await consumer.stop()
 
 
-async def committed_total(bootstrap: list[str], group: str, topic: str) -> int:
-    """The group's committed offsets on ``topic``, summed over partitions."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
-    )
-    await consumer.start()
-    try:
-        await consumer.topics()
-        total = 0
-        for p in sorted(consumer.partitions_for_topic(topic) or []):
-            total += await consumer.committed(TopicPartition(topic, p)) or 0
-        return total
-    finally:
-        await consumer.stop()
-
-
-async def caught_up(bootstrap: list[str], group: str, topic: str) -> bool:
+async def group_offsets(
+    bootstrap: list[str], group: str, topic: str
+) -> list[tuple[int | None, int]]:
+    """(committed, end) of the group on each partition of ``topic``."""
     # committed() fetches the group's offsets without joining the group.
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
@@ -119,13 +106,19 @@ async def caught_up(bootstrap: list[str], group: str, topic: str) -> bool:
             TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])
         ]
         end = await consumer.end_offsets(partitions)
-        for tp in partitions:
-            committed = await consumer.committed(tp)
-            if committed is None or committed < end[tp]:
-                return False
-        return True
+        return [(await consumer.committed(tp), end[tp]) for tp in partitions]
     finally:
         await consumer.stop()
+
+
+async def committed_total(bootstrap: list[str], group: str, topic: str) -> int:
+    """The group's committed offsets on ``topic``, summed over partitions."""
+    return sum(c or 0 for c, _ in await group_offsets(bootstrap, group, topic))
+
+
+async def caught_up(bootstrap: list[str], group: str, topic: str) -> bool:
+    offsets = await group_offsets(bootstrap, group, topic)
+    return all(c is not None and c >= end for c, end in offsets)
 
 
 def redis_of(run: PipelineRun, region: str) -> redis.Redis:
