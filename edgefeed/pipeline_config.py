@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from connectors.database import table_columns
 from edgefeed.settings import EdgefeedSettings, SettingsError
-from pipeline.app import PipelineConfig
+from pipeline.config import PipelineConfig
 from pipeline.validate import check_feature_columns
 
 __all__ = ["pipeline_config"]

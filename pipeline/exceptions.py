@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgefeed.errors import EdgefeedError
 
-__all__ = ["FeatureConfigError", "PipelineError", "PoisonEventError"]
+__all__ = ["FeatureConfigError", "PipelineConfigError", "PipelineError", "PoisonEventError"]
 
 
 class PipelineError(EdgefeedError):
@@ -29,3 +29,8 @@ class PoisonEventError(PipelineError, ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class PipelineConfigError(PipelineError, ValueError):
+    """The pipeline was asked for something its configuration does not have (a region
+    not in ``regions``). Not retryable: fix the command or the settings."""

@@ -27,14 +27,19 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from edge_cache import Delete, Feature, FeatureSchema, Position, Upsert
+from pipeline.aggregates import AggregateRead
 from pipeline.exceptions import PoisonEventError
+from pipeline.messages import RegionalChange
+from pipeline.rows import DEL as _DEL
+from pipeline.rows import LSN as _LSN
+from pipeline.rows import SEQ as _SEQ
+from pipeline.rows import VALS as _VALS
+from pipeline.rows import T as _T
 from pipeline.settings import AggregateFeature, EntitySettings
-from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, WindowSpec, top_values
+from pipeline.windows import GroupSpec, TableIndex, WindowSpec
 
 __all__ = ["CHUNK_MS", "EntityEngine", "EntityState", "FeatureEngine", "chunk_of", "event_time_ms"]
 
-# Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
-_LSN, _SEQ, _T, _DEL, _VALS = range(5)
 _U32 = 2**32 - 1
 _S = TypeVar("_S", bound=dict[str, Any])
 
@@ -157,15 +162,7 @@ class EntityEngine:
             group = by_key.setdefault(key, WindowSpec(key)).groups.setdefault(
                 where, GroupSpec(where)
             )
-            column = aggregate.column or ""
-            if aggregate.agg in ("sum", "mean"):
-                group.sums.add(column)
-            elif aggregate.agg in ("min", "max"):
-                group.sorted.add(column)
-            elif aggregate.agg in ("distinct_count", "top_k"):
-                group.distinct.add(column)
-                if aggregate.agg == "top_k":
-                    group.stamped.add(column)
+            aggregate.kind.require(group, aggregate.column or "")
         self.needs: dict[str, _TableNeeds] = {}
         for table in entity.tables:
             columns: set[str] = set()
@@ -183,14 +180,14 @@ class EntityEngine:
                 columns.update(agg.where)
                 if agg.column:
                     columns.add(agg.column)
-                    if agg.agg in ("sum", "mean", "min", "max"):
-                        dtypes[agg.column] = "float64"
-                    elif agg.agg in ("last_n", "top_k") and agg.effective_dtype != "bool":
-                        dtypes.setdefault(agg.column, agg.effective_dtype)
+                    dtype = agg.kind.column_dtype(agg)
+                    if dtype == "float64":  # numbers win over a ranked feature's dtype
+                        dtypes[agg.column] = dtype
+                    elif dtype is not None:
+                        dtypes.setdefault(agg.column, dtype)
                 if agg.window is not None:
                     windows.append(agg.window.size_ms)
-                if agg.agg == "last_n" and agg.n:
-                    keep_last = max(keep_last, agg.n)
+                keep_last = max(keep_last, agg.kind.keep_last(agg))
             time_column = entity.time_columns.get(table)
             if time_column:
                 columns.add(time_column)
@@ -205,23 +202,24 @@ class EntityEngine:
     # -- state updates -----------------------------------------------------------------------
 
     def apply(
-        self, state: dict[str, Any] | None, message: Mapping[str, Any]
+        self, state: dict[str, Any] | None, change: RegionalChange | Mapping[str, Any]
     ) -> tuple[EntityState, bool]:
-        """Apply one regional message.
+        """Apply one regional change (or its wire form, decoded here).
 
         Returns:
             ``(new_state, changed)``. ``changed`` is False for duplicates and
-            messages older than what the state holds (nothing to write).
+            changes older than what the state holds (nothing to write).
 
         Raises:
             PoisonEventError: a value has the wrong type for its feature.
         """
+        if not isinstance(change, RegionalChange):
+            change = RegionalChange.from_wire(dict(change))
         if state is None:
             state = EntityState(rows={}, lsn=0, rev=0, ts=0, gone=None)
         elif not isinstance(state, EntityState):
             state = EntityState(state)  # recovered from the changelog: index it when needed
-        op = message["op"]
-        lsn, seq = int(message["lsn"]), int(message["seq"])
+        op, lsn, seq = change.op, change.lsn, change.seq
         position = (lsn, seq)
         gone = state.get("gone")
         if op == "x":
@@ -235,24 +233,24 @@ class EntityEngine:
                 for table, rows in state["rows"].items()
                 for e in rows.values()
             }
-            return self._stamp(removed, lsn, message["ts"]), True
+            return self._stamp(removed, lsn, change.commit_ms), True
         if gone is not None and tuple(gone) >= position:
             return state, False  # older than the entity's removal
-        table = message["t"]
+        table = change.table
         needs = self.needs.get(table)
         if needs is None:
             return state, False
         rows: dict[str, list[Any]] = state["rows"].setdefault(table, {})
-        pk = str(message["pk"])
+        pk = change.pk
         current = rows.get(pk)
         if current is not None and (current[_LSN], current[_SEQ]) >= position:
             return state, False
         index = self._index(state).get(table)
         if op == "d":
-            event_ms = current[_T] if current is not None else int(message["ts"])
+            event_ms = current[_T] if current is not None else change.commit_ms
             rows[pk] = [lsn, seq, event_ms, 1, {}]
         else:
-            row = message.get("row") or {}
+            row = change.row or {}
             values = {}
             for column in needs.columns:
                 value = row.get(column)
@@ -261,7 +259,7 @@ class EntityEngine:
                     value = _coerce(value, dtype, f"{table}.{column}")
                 values[column] = value
             event_ms = event_time_ms(
-                row.get(needs.time_column) if needs.time_column else None, int(message["ts"])
+                row.get(needs.time_column) if needs.time_column else None, change.commit_ms
             )
             rows[pk] = [lsn, seq, event_ms, 0, values]
         if index is not None:
@@ -271,22 +269,24 @@ class EntityEngine:
             state.changed.add((table, chunk_of(current[_T])))
         if gone is not None:
             state["gone"] = None
-        return self._stamp(state, lsn, message["ts"]), True
+        return self._stamp(state, lsn, change.commit_ms), True
 
-    def truncate(self, state: dict[str, Any], message: Mapping[str, Any]) -> bool:
+    def truncate(self, state: dict[str, Any], change: RegionalChange | Mapping[str, Any]) -> bool:
         """Forget every row of the truncated table; True if the state changed."""
-        rows = state["rows"].pop(message["t"], None)
+        if not isinstance(change, RegionalChange):
+            data = dict(change)
+            change = RegionalChange.from_wire({"op": "t", "seq": 0, **data})
+        table = change.table
+        rows = state["rows"].pop(table, None)
         if not rows:
             return False
         if isinstance(state, EntityState):
-            state.changed.update((message["t"], chunk_of(e[_T])) for e in rows.values())
+            state.changed.update((table, chunk_of(e[_T])) for e in rows.values())
         if isinstance(state, EntityState) and state.index is not None:
-            state.index.pop(message["t"], None)
-            if message["t"] in self._windows:
-                state.index[message["t"]] = TableIndex(
-                    list(self._windows[message["t"]].values()), {}
-                )
-        self._stamp(state, int(message["lsn"]), message["ts"])
+            state.index.pop(table, None)
+            if table in self._windows:
+                state.index[table] = TableIndex(list(self._windows[table].values()), {})
+        self._stamp(state, change.lsn, change.commit_ms)
         return True
 
     @staticmethod
@@ -322,7 +322,7 @@ class EntityEngine:
             )
             keep = {pk for pk, _ in newest[: needs.keep_last]}
             for agg in self._by_table.get(table, []):
-                if agg.agg == "last_n" and agg.window is None:  # its n newest matching rows
+                if agg.window is None and agg.kind.keep_last(agg):  # its n newest matching rows
                     keep.update(self._newest_matching(agg, newest))
             horizon = ref - needs.retention_ms
             cut = [pk for pk, entry in newest if entry[_T] < horizon and pk not in keep]
@@ -367,35 +367,18 @@ class EntityEngine:
             return values
         indexed = state if isinstance(state, EntityState) else EntityState(state)
         indexes = self._index(indexed)
+        all_rows = state["rows"]
         for agg in self.settings.aggregates:
-            index = indexes[agg.table]
-            window = (agg.window.size_ms, agg.window.type) if agg.window else None
-            where = self._where[agg.name]
             names = agg.feature_names
-            if agg.agg == "last_n":
-                rows = state["rows"].get(agg.table, {})
-                picked = index.newest(window, where, agg.column or "", len(names), rows)
-                values.update(zip(names, picked + [None] * (len(names) - len(picked)), strict=True))
-                continue
-            group = index.group(window, where)
-            column = agg.column or ""
-            if agg.agg == "count":
-                values[agg.name] = group.count
-            elif agg.agg == "sum":
-                values[agg.name] = group.sums[column] / EXACT_SCALE
-            elif agg.agg == "mean":
-                present = group.present[column]
-                values[agg.name] = group.sums[column] / (present * EXACT_SCALE) if present else None
-            elif agg.agg in ("min", "max"):
-                ordered = group.values[column]
-                values[agg.name] = (
-                    (ordered[0] if agg.agg == "min" else ordered[-1]) if ordered else None
-                )
-            elif agg.agg == "distinct_count":
-                values[agg.name] = len(group.counters[column])
-            else:  # top_k
-                picked = top_values(group, column, len(names))
-                values.update(zip(names, picked + [None] * (len(names) - len(picked)), strict=True))
+            read = AggregateRead(
+                index=indexes[agg.table],
+                rows=all_rows.get(agg.table, {}),
+                window=(agg.window.size_ms, agg.window.type) if agg.window else None,
+                where=self._where[agg.name],
+                column=agg.column or "",
+                n=len(names),
+            )
+            values.update(zip(names, agg.kind.read(read), strict=True))
         return values
 
     def write_op(self, entity_id: Any, state: Mapping[str, Any]) -> Upsert | Delete:

@@ -15,6 +15,7 @@ from typing import Any
 from connectors.settings import TableSettings
 from pipeline.envelope import Change
 from pipeline.exceptions import PoisonEventError
+from pipeline.messages import RegionalChange, check_entity_id
 from pipeline.settings import EntitySettings
 
 __all__ = ["RegionMessage", "Router", "row_key"]
@@ -22,17 +23,25 @@ __all__ = ["RegionMessage", "Router", "row_key"]
 
 @dataclass(frozen=True, slots=True)
 class RegionMessage:
-    """One message for one region's change topic.
+    """One change for one region's change topic.
 
     Attributes:
         region: Target region.
-        key: ``entity:id``, or None for a truncate (sent to every partition).
-        value: The message body (JSON-able).
+        change: The change (pipeline.messages: the wire contract).
     """
 
     region: str
-    key: str | None
-    value: dict[str, Any]
+    change: RegionalChange
+
+    @property
+    def key(self) -> str | None:
+        """``entity:id``, or None for a truncate (sent to every partition)."""
+        return self.change.key
+
+    @property
+    def value(self) -> dict[str, Any]:
+        """The change as it goes on the wire."""
+        return self.change.to_wire()
 
 
 def row_key(row: Mapping[str, Any], columns: Sequence[str], table: str) -> str:
@@ -114,9 +123,9 @@ class Router:
         if feeds is None:
             return []
         table = self.tables[change.table]
-        base = {"t": change.table, "lsn": change.lsn, "seq": change.seq, "ts": change.commit_ms}
         if change.op == "t":
-            return [RegionMessage(region, None, {**base, "op": "t"}) for region in self.regions]
+            truncate = RegionalChange(change.table, "t", change.lsn, change.seq, change.commit_ms)
+            return [RegionMessage(region, truncate) for region in self.regions]
         row = change.row
         if row is None:
             raise PoisonEventError("undecodable", f"{change.table}: op {change.op!r} without a row")
@@ -144,22 +153,33 @@ class Router:
                     f"{change.table}: column {feed.id_column!r} (the {feed.entity} id) is "
                     f"missing or null; for deletes set replica_identity: full on {change.table}",
                 )
-            key = f"{feed.entity}:{entity_id}"
             # Deleting the entity's own row (a user) removes the whole entity.
-            op = "x" if change.op == "d" and feed.own else change.op
-            body = {
-                **base,
-                "e": feed.entity,
-                "id": entity_id,
-                "pk": pk,
-                "op": op,
-                "row": change.after if change.op != "d" else None,
-            }
+            op: Any = "x" if change.op == "d" and feed.own else change.op
+            body = RegionalChange(
+                table=change.table,
+                op=op,
+                lsn=change.lsn,
+                seq=change.seq,
+                commit_ms=change.commit_ms,
+                entity=feed.entity,
+                entity_id=check_entity_id(entity_id),
+                pk=pk,
+                row=change.after if change.op != "d" else None,
+            )
             for region in targets:
-                messages.append(RegionMessage(region, key, body))
+                messages.append(RegionMessage(region, body))
             if personal and old_home != home:
                 # The entity moved: its old region must forget it (the row, or the
                 # whole entity when this is the entity's own row).
-                evict = {**body, "op": "x" if feed.own else "d", "row": None}
-                messages.append(RegionMessage(old_home, key, evict))
+                evict = RegionalChange(
+                    table=change.table,
+                    op="x" if feed.own else "d",
+                    lsn=change.lsn,
+                    seq=change.seq,
+                    commit_ms=change.commit_ms,
+                    entity=feed.entity,
+                    entity_id=body.entity_id,
+                    pk=pk,
+                )
+                messages.append(RegionMessage(old_home, evict))
         return messages

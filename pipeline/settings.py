@@ -27,10 +27,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.aggregates import Aggregate, FeatureDtype, aggregate_kind
+from pipeline.names import PipelineNames
+
 __all__ = [
-    "AGGREGATES",
     "AggregateFeature",
-    "AggregateKind",
     "EntitySettings",
     "KafkaSettings",
     "LatestFeature",
@@ -39,18 +40,6 @@ __all__ = [
     "parse_duration_ms",
 ]
 
-AggregateKind = Literal["count", "sum", "mean", "min", "max", "distinct_count", "last_n", "top_k"]
-AGGREGATES: tuple[str, ...] = (
-    "count",
-    "sum",
-    "mean",
-    "min",
-    "max",
-    "distinct_count",
-    "last_n",
-    "top_k",
-)
-FeatureDtype = Literal["float32", "float64", "int32", "int64", "bool"]
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -141,7 +130,7 @@ class AggregateFeature(BaseModel):
 
     name: str
     table: str
-    agg: AggregateKind
+    agg: str
     column: str | None = None
     where: dict[str, str | int | float | bool] = Field(default_factory=dict)
     window: WindowSettings | None = None
@@ -153,15 +142,27 @@ class AggregateFeature(BaseModel):
     def _table(cls, value: str) -> str:
         return _qualified(value)
 
+    @field_validator("agg")
+    @classmethod
+    def _agg(cls, value: str) -> str:
+        aggregate_kind(value)  # pipeline.aggregates: the one list of aggregates
+        return value
+
+    @property
+    def kind(self) -> Aggregate:
+        """What this aggregate is and does (pipeline.aggregates)."""
+        return aggregate_kind(self.agg)
+
     @model_validator(mode="after")
     def _shape(self) -> AggregateFeature:
-        if self.agg != "count" and not self.column:
+        kind = self.kind
+        if kind.needs_column and not self.column:
             raise ValueError(f"aggregate {self.name!r} ({self.agg}) needs a column")
-        if self.agg in ("last_n", "top_k") and self.n is None:
+        if kind.takes_n and self.n is None:
             raise ValueError(f"aggregate {self.name!r} ({self.agg}) needs n (how many values)")
-        if self.agg not in ("last_n", "top_k") and self.n is not None:
+        if not kind.takes_n and self.n is not None:
             raise ValueError(f"aggregate {self.name!r} ({self.agg}) takes no n")
-        if self.window is None and self.agg != "last_n":
+        if self.window is None and kind.needs_window:
             raise ValueError(
                 f"aggregate {self.name!r} ({self.agg}) needs a window, e.g. window: {{size: 30m}}: "
                 "an unbounded aggregate would keep every event forever"
@@ -172,13 +173,11 @@ class AggregateFeature(BaseModel):
     def effective_dtype(self) -> FeatureDtype:
         if self.dtype is not None:
             return self.dtype
-        if self.agg in ("count", "distinct_count", "last_n", "top_k"):
-            return "int64"
-        return "float32"
+        return self.kind.default_dtype
 
     @property
     def feature_names(self) -> list[str]:
-        if self.agg in ("last_n", "top_k") and self.n is not None:
+        if self.kind.takes_n and self.n is not None:
             return [f"{self.name}.{i}" for i in range(1, self.n + 1)]
         return [self.name]
 
@@ -296,15 +295,20 @@ class PipelineSettings(BaseModel):
     checkpoint_interval_s: float = Field(default=1.0, gt=0, le=60)
     gc_full_interval_s: float = Field(default=600.0, ge=10)
 
+    @property
+    def names(self) -> PipelineNames:
+        """The topic and group names these settings give (pipeline.names)."""
+        return PipelineNames(self.app_prefix, self.region_topic_prefix, self.dead_letter_topic)
+
     def region_topic(self, region: str) -> str:
-        return f"{self.region_topic_prefix}.{region}"
+        return self.names.region_topic(region)
 
     @property
     def router_app_id(self) -> str:
-        return f"{self.app_prefix}-router"
+        return self.names.router_group
 
     def region_app_id(self, region: str) -> str:
-        return f"{self.app_prefix}-region-{region}"
+        return self.names.region_group(region)
 
 
 class KafkaSettings(BaseModel):

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 from pipeline.features import CHUNK_MS, EntityState, chunk_of
+from pipeline.rows import T as _T
 
 __all__ = ["ROW_SEP", "checkpoint_key", "rebuild_states", "store_state"]
 
 ROW_SEP = "\x1f"
-_T = 2  # a row entry's event time (see pipeline.features)
 
 
 def checkpoint_key(partition: int) -> str:

@@ -24,10 +24,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["EXACT_SCALE", "TableIndex", "WindowSpec", "exact"]
+from pipeline.rows import DEL as _DEL
+from pipeline.rows import LSN as _LSN
+from pipeline.rows import SEQ as _SEQ
+from pipeline.rows import VALS as _VALS
+from pipeline.rows import T as _T
 
-# Row entry layout in the state: [lsn, seq, event_ms, deleted, values]
-_LSN, _SEQ, _T, _DEL, _VALS = range(5)
+__all__ = ["EXACT_SCALE", "GroupSpec", "TableIndex", "WindowSpec", "exact", "top_values"]
+
 _FOREVER = (-(1 << 62), 1 << 62)
 EXACT_SCALE = 1 << 1074  # every finite double is an integer multiple of 2**-1074
 
@@ -39,7 +43,8 @@ def exact(value: float) -> int:
 
 
 class GroupSpec:
-    """What one (window, where filter) must accumulate."""
+    """What one (window, where filter) must accumulate; each aggregate adds its needs
+    (pipeline.aggregates, ``Aggregate.require``)."""
 
     __slots__ = ("distinct", "sorted", "stamped", "sums", "where")
 

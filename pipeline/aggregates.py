@@ -1,0 +1,178 @@
+"""The aggregates a feature can declare, one class each: adding an aggregate means
+adding one class here and listing it in :data:`AGGREGATES`.
+
+Each class says what its declaration needs (a column, ``n``, a window), the
+stored dtype of its features, what the column's values must convert to, what
+the window index must accumulate for it (:class:`~pipeline.windows.GroupSpec`),
+and how to read its features' values from that index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, top_values
+
+if TYPE_CHECKING:
+    from pipeline.settings import AggregateFeature
+
+__all__ = ["AGGREGATES", "Aggregate", "AggregateRead", "FeatureDtype", "aggregate_kind"]
+
+FeatureDtype = Literal["float32", "float64", "int32", "int64", "bool"]
+
+
+@dataclass(frozen=True, slots=True)
+class AggregateRead:
+    """What reading one declared aggregate from an entity's window index needs."""
+
+    index: TableIndex
+    rows: Mapping[str, list[Any]]
+    window: tuple[int, str] | None
+    where: tuple[tuple[str, Any], ...]
+    column: str
+    n: int
+
+
+class Aggregate:
+    """One kind of aggregate (``agg:`` in the settings)."""
+
+    name: ClassVar[str]
+    needs_column: ClassVar[bool] = True
+    takes_n: ClassVar[bool] = False  # one feature per rank: <name>.1 .. <name>.<n>
+    needs_window: ClassVar[bool] = True
+    default_dtype: ClassVar[FeatureDtype] = "float32"
+    numeric: ClassVar[bool] = False  # the column's values must be numbers (float64)
+
+    def column_dtype(self, feature: AggregateFeature) -> FeatureDtype | None:
+        """The dtype the aggregated column's values are converted to (None: as they come)."""
+        return "float64" if self.numeric else None
+
+    def keep_last(self, feature: AggregateFeature) -> int:
+        """Rows the state must keep whatever their age (last_n: its n newest)."""
+        return 0
+
+    def require(self, group: GroupSpec, column: str) -> None:
+        """Tell the window group what to accumulate for this aggregate."""
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        """The values of the aggregate's features (one, or ``n``)."""
+        raise NotImplementedError(f"aggregate {self.name} does not implement read()")
+
+
+def _padded(values: list[Any], n: int) -> list[Any]:
+    return values + [None] * (n - len(values))
+
+
+class Count(Aggregate):
+    name = "count"
+    needs_column = False
+    default_dtype = "int64"
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        return [at.index.group(at.window, at.where).count]
+
+
+class Sum(Aggregate):
+    name = "sum"
+    numeric = True
+
+    def require(self, group: GroupSpec, column: str) -> None:
+        group.sums.add(column)
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        return [at.index.group(at.window, at.where).sums[at.column] / EXACT_SCALE]
+
+
+class Mean(Sum):
+    name = "mean"
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        group = at.index.group(at.window, at.where)
+        present = group.present[at.column]
+        return [group.sums[at.column] / (present * EXACT_SCALE) if present else None]
+
+
+class Min(Aggregate):
+    name = "min"
+    numeric = True
+
+    def require(self, group: GroupSpec, column: str) -> None:
+        group.sorted.add(column)
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        ordered = at.index.group(at.window, at.where).values[at.column]
+        return [ordered[0] if ordered else None]
+
+
+class Max(Min):
+    name = "max"
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        ordered = at.index.group(at.window, at.where).values[at.column]
+        return [ordered[-1] if ordered else None]
+
+
+class DistinctCount(Aggregate):
+    name = "distinct_count"
+    default_dtype = "int64"
+
+    def require(self, group: GroupSpec, column: str) -> None:
+        group.distinct.add(column)
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        return [len(at.index.group(at.window, at.where).counters[at.column])]
+
+
+class _Ranked(Aggregate):
+    takes_n = True
+    default_dtype = "int64"
+
+    def column_dtype(self, feature: AggregateFeature) -> FeatureDtype | None:
+        dtype = feature.effective_dtype
+        return None if dtype == "bool" else dtype
+
+
+class LastN(_Ranked):
+    """The ``n`` newest values, newest first; the only aggregate that may be unwindowed."""
+
+    name = "last_n"
+    needs_window = False
+
+    def keep_last(self, feature: AggregateFeature) -> int:
+        return feature.n or 0
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        picked = at.index.newest(at.window, at.where, at.column, at.n, at.rows)
+        return _padded(picked, at.n)
+
+
+class TopK(_Ranked):
+    """The ``n`` most frequent values, most frequent first."""
+
+    name = "top_k"
+
+    def require(self, group: GroupSpec, column: str) -> None:
+        group.distinct.add(column)
+        group.stamped.add(column)
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        return _padded(top_values(at.index.group(at.window, at.where), at.column, at.n), at.n)
+
+
+AGGREGATES: dict[str, Aggregate] = {
+    kind.name: kind() for kind in (Count, Sum, Mean, Min, Max, DistinctCount, LastN, TopK)
+}
+
+
+def aggregate_kind(name: str) -> Aggregate:
+    """The aggregate called ``name``.
+
+    Raises:
+        ValueError: no such aggregate; the message lists the known ones.
+    """
+    try:
+        return AGGREGATES[name]
+    except KeyError:
+        raise ValueError(f"aggregate {name!r} is not one of: {', '.join(AGGREGATES)}") from None

@@ -1,0 +1,81 @@
+"""The pipeline's Prometheus metrics, registered in the registry the caller gives.
+
+Nothing registers at import: the composition root (``edgefeed pipeline run``)
+passes the registry its metrics endpoint serves, and tests pass a fresh one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+__all__ = ["PipelineMetrics"]
+
+_FRESHNESS_BUCKETS = (
+    0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineMetrics:
+    """The metric families of the router and the regional workers."""
+
+    events: Counter
+    dead_letters: Counter
+    cache_writes: Counter
+    batch_size: Histogram
+    freshness: Histogram
+    batch_seconds: Histogram
+    write_seconds: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> PipelineMetrics:
+        """Register the families in ``registry``."""
+        return cls(
+            events=Counter(
+                "edgefeed_pipeline_events_total",
+                "Events processed",
+                ["app", "outcome"],
+                registry=registry,
+            ),
+            dead_letters=Counter(
+                "edgefeed_pipeline_dead_letters_total",
+                "Events dead-lettered",
+                ["app", "reason"],
+                registry=registry,
+            ),
+            cache_writes=Counter(
+                "edgefeed_pipeline_cache_writes_total",
+                "Vectors written to Redis",
+                ["region", "applied"],
+                registry=registry,
+            ),
+            batch_size=Histogram(
+                "edgefeed_pipeline_batch_size",
+                "Events per batch",
+                ["app"],
+                buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 5000),
+                registry=registry,
+            ),
+            freshness=Histogram(
+                "edgefeed_pipeline_freshness_seconds",
+                "Source commit to Redis write, per vector written",
+                ["region"],
+                buckets=_FRESHNESS_BUCKETS,
+                registry=registry,
+            ),
+            batch_seconds=Histogram(
+                "edgefeed_pipeline_batch_seconds",
+                "Time to process one batch (state, vectors, Redis write)",
+                ["app"],
+                registry=registry,
+            ),
+            write_seconds=Histogram(
+                "edgefeed_pipeline_cache_write_seconds",
+                "Latency of one pipelined batch write to Redis",
+                ["region"],
+                registry=registry,
+            ),
+        )
