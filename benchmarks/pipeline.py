@@ -53,8 +53,8 @@ from edgefeed.devstack import DevStack  # noqa: E402
 from edgefeed.pipeline_config import pipeline_config  # noqa: E402
 from edgefeed.settings import EdgefeedSettings, load_settings, settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
-from pipeline.app import pack_changes  # noqa: E402
 from pipeline.envelope import Change  # noqa: E402
+from pipeline.messages import encode_packs  # noqa: E402
 from pipeline.routing import Router  # noqa: E402
 from pipeline.topics import ensure_topics  # noqa: E402
 
@@ -105,11 +105,14 @@ def make_settings(partitions: int, tag: str) -> dict[str, Any]:
 def plain_worker(settings_file: str, region: str) -> None:
     """A plain Faust agent: one event at a time, one Redis write per event."""
     import faust
-    from prometheus_client import start_http_server
+    from prometheus_client import REGISTRY, start_http_server
 
     from edge_cache import AsyncFeatureWriter
-    from pipeline.app import EVENTS, faust_app
+    from pipeline.app import faust_app
     from pipeline.features import FeatureEngine
+    from pipeline.metrics import PipelineMetrics
+
+    applied = PipelineMetrics.create(REGISTRY).events.labels("plain", "applied")
 
     settings = load_settings(settings_file)
     config = pipeline_config(settings, check_database=False)
@@ -133,7 +136,7 @@ def plain_worker(settings_file: str, region: str) -> None:
             if changed and state is not None:
                 table[key] = state
                 await writer["w"].write([entity.write_op(message["id"], state)])
-            EVENTS.labels("plain", "applied").inc()
+            applied.inc()
 
     start_http_server(int(os.environ["BENCH_METRICS_PORT"]), addr="127.0.0.1")
     faust.Worker(app, loglevel="warning", quiet=True).execute_from_commandline()
@@ -200,12 +203,12 @@ def regional_messages(
         change = Change("public.events", "c", None, row, lsn, 0, base_us // 1000)
         for routed in router.route(change):
             if routed.key is not None:
-                key, body = routed.key.encode(), orjson.dumps(routed.value)
+                key, body = routed.key.encode(), routed.change.encode()
                 singles.append((key, body))
                 pending.setdefault(partitioner(key, partitions, partitions), []).append(body)
         if (i + 1) % ROUTER_BATCH == 0 or i + 1 == count:
             for partition, bodies in pending.items():
-                packs.extend((partition, pack) for pack in pack_changes(bodies))
+                packs.extend((partition, pack) for pack in encode_packs(bodies))
             pending = {}
     return singles, packs
 

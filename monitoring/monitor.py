@@ -41,6 +41,7 @@ from monitoring.status import (
     worst,
     worst_severity,
 )
+from pipeline.names import PipelineNames
 
 __all__ = [
     "DEADLETTER_TOPIC",
@@ -52,15 +53,14 @@ __all__ = [
     "region_group",
 ]
 
-ROUTER_GROUP = "edgefeed-router"
-REGION_GROUP_PREFIX = "edgefeed-region-"
-REGION_TOPIC_PREFIX = "edgefeed.region"
-DEADLETTER_TOPIC = "edgefeed.deadletter"
+_DEFAULT_NAMES = PipelineNames()
+ROUTER_GROUP = _DEFAULT_NAMES.router_group
+DEADLETTER_TOPIC = _DEFAULT_NAMES.dead_letter_topic
 
 
 def region_group(region: str) -> str:
-    """The consumer group of a region's pipeline worker."""
-    return f"{REGION_GROUP_PREFIX}{region}"
+    """The consumer group of a region's pipeline worker (default names)."""
+    return _DEFAULT_NAMES.region_group(region)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +90,8 @@ class MonitorConfig:
         connect_url: Kafka Connect REST URL; None skips the connectors.
         groups: Only these consumer groups; empty: the router's, every
             region's and any other ``edgefeed-*`` group.
-        deadletter_topic: The pipeline's dead-letter topic.
-        router_group: The router's consumer group (its Faust app id).
-        region_group_prefix: A region's group is this prefix plus its name.
-        region_topic_prefix: A region's change topic is ``<prefix>.<region>``.
+        names: The pipeline's topic and group names (pipeline.names, from the
+            ``pipeline:`` settings): the same object the pipeline's apps use.
         window: Observations per partition the status rules look at.
         min_interval_s: Observations closer than this to the previous one
             replace it (Burrow's ``min-distance``), so rapid rounds do not
@@ -110,10 +108,7 @@ class MonitorConfig:
     database_dsn: str | None = None
     connect_url: str | None = None
     groups: tuple[str, ...] = ()
-    deadletter_topic: str = DEADLETTER_TOPIC
-    router_group: str = ROUTER_GROUP
-    region_group_prefix: str = REGION_GROUP_PREFIX
-    region_topic_prefix: str = REGION_TOPIC_PREFIX
+    names: PipelineNames = _DEFAULT_NAMES
     window: int = 10
     min_interval_s: float = 1.0
     freshness_budget_s: float = 5.0
@@ -140,15 +135,19 @@ class MonitorConfig:
     def selects(self, group: str) -> bool:
         if self.groups:
             return group in self.groups
-        return group.startswith(("edgefeed-", self.router_group, self.region_group_prefix))
+        return group.startswith("edgefeed-") or self.names.owns_group(group)
+
+    @property
+    def deadletter_topic(self) -> str:
+        return self.names.dead_letter_topic
 
     @property
     def expected_groups(self) -> tuple[str, ...]:
         if self.groups:
             return self.groups
         return (
-            self.router_group,
-            *(f"{self.region_group_prefix}{r.name}" for r in self.regions),
+            self.names.router_group,
+            *(self.names.region_group(r.name) for r in self.regions),
         )
 
 
@@ -452,21 +451,21 @@ class Monitor:
         return tuple(reports), None
 
     def _region_of(self, group: str) -> str | None:
-        prefix = self.config.region_group_prefix
-        return group[len(prefix) :] or None if group.startswith(prefix) else None
+        return self.config.names.region_of_group(group)
 
     def _pending(self, kafka: KafkaReport, region: str) -> int | None:
         """Messages waiting for ``region``: the router's lag, plus the region's topic
         beyond its group's committed offsets (all of it where the group never committed)."""
         if kafka.error:
             return None
-        router = next((g for g in kafka.groups if g.group == self.config.router_group), None)
+        names = self.config.names
+        router = next((g for g in kafka.groups if g.group == names.router_group), None)
         total = router.lag if router else 0
-        topic_name = f"{self.config.region_topic_prefix}.{region}"
+        topic_name = names.region_topic(region)
         topic = next((t for t in kafka.topics if t.topic == topic_name), None)
         if topic is None:
             return total
-        group_name = f"{self.config.region_group_prefix}{region}"
+        group_name = names.region_group(region)
         group = next((g for g in kafka.groups if g.group == group_name), None)
         committed = {
             p.partition: p.lag or 0

@@ -188,7 +188,9 @@ def run(
 
     console.rule("3. pipeline: the router and one feature worker per region")
     exe = str(Path(sys.executable).with_name("edgefeed"))
-    base = [exe, "--settings", str(settings_path)] if settings_path else [exe]
+    # Absolute: the workers run in the stack's state folder (Faust writes there).
+    settings_arg = str(Path(settings_path).resolve()) if settings_path else None
+    base = [exe, "--settings", settings_arg] if settings_arg else [exe]
     workers = [("router", ["--role", "router"])]
     workers += [(region, ["--region", region]) for region in settings.region_names]
     for name, args in workers:

@@ -57,11 +57,19 @@ def run(
             replication_factor=settings.pipeline.replication_factor,
         )
     )
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
+    from prometheus_client import REGISTRY, start_http_server
 
-        start_http_server(metrics_port, addr="127.0.0.1")
-    app = build_router_app(config) if role == "router" else build_region_app(config, region or "")
+    from pipeline.metrics import PipelineMetrics
+
+    # The composition root owns the registry: the one its metrics endpoint serves.
+    metrics = PipelineMetrics.create(REGISTRY)
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr="127.0.0.1", registry=REGISTRY)
+    app = (
+        build_router_app(config, metrics)
+        if role == "router"
+        else build_region_app(config, region or "", metrics)
+    )
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
 

@@ -381,7 +381,11 @@ class DevStack:
             return
         log = self.log_path(app)
         offset = log.stat().st_size if log.exists() else 0
-        record = spawn(argv, log_path=log, pid_path=self.pid_path(app))
+        # Run in the state folder: Faust creates its data folder in the working
+        # directory, and nothing of a stack may land outside its state folder.
+        workdir = self.state_dir / "apps" / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        record = spawn(argv, log_path=log, pid_path=self.pid_path(app), cwd=workdir)
         if ready is None:
             return
         deadline = time.monotonic() + timeout_s

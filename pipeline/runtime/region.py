@@ -123,9 +123,10 @@ class RegionRuntime:
         self.cache, self.changelog = cache, changelog
         self.dead_letters, self.acker = dead_letters, acker
         self.batch = RegionBatch(policy or BatchPolicy())
-        self.ledger = CheckpointLedger(checkpoint_interval_s)
-        self.live: dict[str, EntityState] = {}
         self.clock = clock
+        # The first checkpoint comes one interval after the start, like every other.
+        self.ledger = CheckpointLedger(checkpoint_interval_s, last_at=clock())
+        self.live: dict[str, EntityState] = {}
         self.on_fatal = on_fatal
         self._flush_lock = asyncio.Lock()
         self._checkpoint_lock = asyncio.Lock()

@@ -21,6 +21,7 @@ from connectors.config import render_connector_config
 from connectors.settings import SourceSettings, TableSettings
 from edgefeed.devstack import DevStack
 from monitoring import Monitor, MonitorConfig, Report, SourceTarget, serve
+from pipeline.names import PipelineNames
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +84,8 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
     await producer.start()
     await consumer.start()
     dead_letters = make_topic("edgefeed.deadletter.t", partitions=1)
-    monitor = Monitor(config_for(devstack, groups=(group,), deadletter_topic=dead_letters))
+    names = PipelineNames(dead_letter_topic=dead_letters)
+    monitor = Monitor(config_for(devstack, groups=(group,), names=names))
     try:
         for i in range(5):
             await producer.send_and_wait(topic, f"v{i}".encode())

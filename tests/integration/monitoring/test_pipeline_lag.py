@@ -57,6 +57,7 @@ def _start(settings_file: Path, log: Path, *args: str) -> subprocess.Popen[bytes
     with log.open("wb") as out:
         return subprocess.Popen(
             [str(exe), "--settings", str(settings_file), "pipeline", "run", *args],
+            cwd=log.parent,  # Faust's data folder goes here, not into the checkout
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -61,6 +61,7 @@ class PipelineRun:
                     "--loglevel",
                     "info",
                 ],
+                cwd=self.logs,  # Faust's data folder goes here, not into the checkout
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -1,0 +1,412 @@
+"""The regional worker's runtime without a broker: batching, checkpoints and ack
+ordering (pipeline.runtime), table-driven where the rule is a table."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from edge_cache import Delete, Upsert
+from edgefeed.settings import load_settings
+from pipeline.features import EntityState, FeatureEngine
+from pipeline.messages import RegionalChange, encode_packs
+from pipeline.metrics import PipelineMetrics
+from pipeline.runtime import (
+    BatchPolicy,
+    CheckpointLedger,
+    Delivery,
+    RegionBatch,
+    RegionRuntime,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+SETTINGS = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
+T0 = 1_764_000_000_000
+
+
+# -- batches -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "age_s", "last_flush_s", "due"),
+    [
+        (0, 10.0, 0.0, False),  # nothing pending: never due
+        (10, 0.01, 0.0, False),  # young and small
+        (10, 0.021, 0.0, True),  # within_s reached
+        (5000, 0.0, 0.0, True),  # max_changes reached, however young
+        (10, 0.05, 0.04, False),  # behind: waits catch_up (2) x the last flush (0.08 s)
+        (10, 0.081, 0.04, True),
+    ],
+)
+def test_a_batch_is_due_by_size_age_and_catch_up(
+    changes: int, age_s: float, last_flush_s: float, due: bool
+) -> None:
+    batch = RegionBatch(BatchPolicy(max_changes=5000, within_s=0.02, catch_up=2.0))
+    batch.flushed(last_flush_s)
+    if changes:
+        batch.add(Delivery(0, 1), changes, now=100.0)
+    assert batch.due(100.0 + age_s) is due
+
+
+def test_closing_a_batch_opens_an_empty_one() -> None:
+    batch = RegionBatch()
+    batch.add(Delivery(0, 1), 3, now=1.0)
+    closed = batch.close()
+    assert closed.changes == 3 and len(closed.deliveries) == 1
+    assert batch.opened_at is None and not batch.deliveries and not batch.due(100.0)
+
+
+# -- the checkpoint ledger -----------------------------------------------------------------
+
+# Each step: (action, argument); "written" takes offsets whose batch reached the cache,
+# "checkpoint" begins and completes one and records what it acked.
+LEDGER_CASES: list[tuple[str, list[tuple[str, Any]], list[list[int]], dict[int, int]]] = [
+    (
+        "only written messages are acked",
+        [("receive", [1, 2, 3]), ("written", [1, 2]), ("checkpoint", None)],
+        [[1, 2]],
+        {0: 3},
+    ),
+    (
+        "a message of an open batch is never acked",
+        [("receive", [1]), ("checkpoint", None)],
+        [[]],
+        {0: 1},
+    ),
+    (
+        "what is written during a checkpoint waits for the next",
+        [
+            ("receive", [1, 2]),
+            ("written", [1]),
+            ("begin", None),
+            ("written", [2]),
+            ("complete", None),
+            ("checkpoint", None),
+        ],
+        [[1], [2]],
+        {0: 3},
+    ),
+    (
+        "a failed checkpoint acks nothing and gives everything back",
+        [("receive", [1, 2]), ("written", [1, 2]), ("begin", None), ("abort", None)],
+        [],
+        {0: 1},
+    ),
+    (
+        "after a failure the next checkpoint acks all of it",
+        [
+            ("receive", [1, 2]),
+            ("written", [1]),
+            ("begin", None),
+            ("abort", None),
+            ("written", [2]),
+            ("checkpoint", None),
+        ],
+        [[1, 2]],
+        {0: 3},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("steps", "acked", "safe"), [c[1:] for c in LEDGER_CASES], ids=[c[0] for c in LEDGER_CASES]
+)
+def test_checkpoint_ledger(
+    steps: list[tuple[str, Any]], acked: list[list[int]], safe: dict[int, int]
+) -> None:
+    ledger = CheckpointLedger(interval_s=0.0)
+    deliveries: dict[int, Delivery] = {}
+    seen: list[list[int]] = []
+    running = None
+    for action, argument in steps:
+        if action == "receive":
+            for offset in argument:
+                deliveries[offset] = Delivery(0, offset)
+                ledger.received(deliveries[offset])
+        elif action == "written":
+            batch = [deliveries[o] for o in argument]
+            ledger.written(batch, [(f"user:{o}", deliveries[o], {"o": o}) for o in argument])
+        elif action == "begin":
+            running = ledger.begin(0.0)
+        elif action == "complete":
+            assert running is not None
+            seen.append([d.offset for d in ledger.complete(running)])
+        elif action == "abort":
+            assert running is not None
+            ledger.abort(running)
+        else:  # checkpoint
+            seen.append([d.offset for d in ledger.complete(ledger.begin(0.0))])
+    assert seen == acked
+    assert ledger.safe_offsets() == safe
+
+
+def test_a_failed_checkpoint_keeps_the_newer_state_of_an_entity() -> None:
+    ledger = CheckpointLedger()
+    first, second = Delivery(0, 1), Delivery(0, 2)
+    ledger.written([first], [("user:7", first, "old")])
+    checkpoint = ledger.begin(0.0)
+    ledger.written([second], [("user:7", second, "new")])
+    ledger.abort(checkpoint)
+    retried = ledger.begin(1.0)
+    assert retried.states == [("user:7", second, "new")]
+    assert retried.acks == [first, second]
+
+
+def test_one_checkpoint_at_a_time() -> None:
+    ledger = CheckpointLedger()
+    ledger.begin(0.0)
+    with pytest.raises(RuntimeError, match="already running"):
+        ledger.begin(0.0)
+
+
+def test_a_checkpoint_is_due_after_its_interval_with_messages_waiting() -> None:
+    ledger = CheckpointLedger(interval_s=1.0)
+    assert not ledger.due(5.0)  # nothing to ack
+    ledger.written([Delivery(0, 1)], [])
+    assert ledger.due(5.0)
+    ledger.complete(ledger.begin(5.0))
+    ledger.written([Delivery(0, 2)], [])
+    assert not ledger.due(5.5) and ledger.due(6.0)
+
+
+# -- the region worker with in-memory ports ------------------------------------------------
+
+
+class Journal:
+    """What the ports saw, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+
+
+class FakeCache:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.gate: asyncio.Event | None = None  # set: a write blocks until released
+        self.entered = asyncio.Event()
+        self.vectors: dict[str, Any] = {}
+
+    async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        for op in ops:
+            key = f"{op.entity}:{op.id}"
+            self.vectors[key] = op.values if isinstance(op, Upsert) else None
+        self.journal.events.append(("cache", sorted(f"{o.entity}:{o.id}" for o in ops)))
+        return [True] * len(ops)
+
+
+class FakeChangelog:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.fail = False
+        self.records: dict[str, Any] = {}
+
+    def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
+        if self.fail:
+            raise ConnectionError("changelog unavailable")
+        self.records[key] = orjson.loads(orjson.dumps({k: v for k, v in state.items()}))
+        self.journal.events.append(("store", key))
+
+    async def relieve(self) -> None:
+        await asyncio.sleep(0)
+
+    async def close(self, partitions: Mapping[int, Delivery]) -> None:
+        self.journal.events.append(("close", sorted(partitions)))
+
+
+class FakeDeadLetters:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int | None, str, bytes]] = []
+
+    async def send(
+        self, delivery: Delivery, value: bytes, reason: str, error: str, index: int | None
+    ) -> None:
+        self.sent.append((delivery.offset, index, reason, value))
+
+
+class FakeAcker:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    async def ack(self, delivery: Delivery) -> None:
+        self.journal.events.append(("ack", delivery.offset))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_runtime(
+    partition_of: Any = lambda key: 0,
+) -> tuple[RegionRuntime, Journal, FakeCache, FakeChangelog, FakeDeadLetters, Clock]:
+    journal, clock = Journal(), Clock()
+    cache, changelog, dead = FakeCache(journal), FakeChangelog(journal), FakeDeadLetters()
+    fatal: list[BaseException] = []
+
+    async def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+
+    runtime = RegionRuntime(
+        region="eu-west",
+        app_id="test-region-eu-west",
+        engine=FeatureEngine(SETTINGS.entities),
+        partition_of=partition_of,
+        cache=cache,
+        changelog=changelog,
+        dead_letters=dead,
+        acker=FakeAcker(journal),
+        metrics=PipelineMetrics.create(CollectorRegistry()),
+        policy=BatchPolicy(max_changes=1000, within_s=0.02, catch_up=2.0),
+        checkpoint_interval_s=1.0,
+        on_fatal=on_fatal,
+        clock=clock,
+    )
+    runtime.fatal = fatal  # type: ignore[attr-defined]
+    return runtime, journal, cache, changelog, dead, clock
+
+
+def view(event_id: int, user: int, lsn: int) -> RegionalChange:
+    row = {
+        "event_id": event_id,
+        "user_id": user,
+        "item_id": 100 + event_id,
+        "category_id": 5,
+        "price": "1.50",
+        "home_region": "eu-west",
+        "kind": "view",
+        "occurred_at": T0 * 1000,
+    }
+    return RegionalChange("public.events", "c", lsn, 0, T0, "user", user, str(event_id), row)
+
+
+def pack(*changes: RegionalChange | dict[str, Any]) -> bytes:
+    bodies = [c.encode() if isinstance(c, RegionalChange) else orjson.dumps(c) for c in changes]
+    (only,) = encode_packs(bodies)
+    return only
+
+
+def acked(journal: Journal) -> list[int]:
+    return [offset for kind, offset in journal.events if kind == "ack"]
+
+
+async def test_acks_come_after_the_cache_and_the_changelog() -> None:
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10), view(2, 8, 11)))
+    clock.now += 0.05
+    await runtime.tick()  # the batch closes: vectors to the cache
+    assert cache.vectors["user:7"]["views_30m"] == 1
+    assert acked(journal) == []  # in the cache, not yet in the changelog
+    clock.now += 1.0
+    await runtime.tick()  # the checkpoint interval passed
+    await asyncio.wait_for(runtime._checkpoint_task, 5)  # type: ignore[arg-type]
+    kinds = [kind for kind, _ in journal.events]
+    assert kinds == ["cache", "store", "store", "close", "ack"]
+    assert acked(journal) == [1]
+
+
+async def test_a_checkpoint_never_acks_a_batch_still_being_written() -> None:
+    """The bug that once slipped through: a checkpoint running beside the stream
+    acked messages whose batch had not reached Redis yet."""
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    clock.now += 0.05
+    await runtime.flush()  # batch 1 written
+    await runtime.on_message(Delivery(0, 2), pack(view(2, 7, 11)))
+    cache.gate, cache.entered = asyncio.Event(), asyncio.Event()
+    clock.now += 0.05
+    writing = asyncio.ensure_future(runtime.flush())  # batch 2: blocked inside the cache
+    await asyncio.wait_for(cache.entered.wait(), 5)
+    clock.now += 1.0
+    await runtime.checkpoint()  # runs while batch 2 is in flight
+    assert acked(journal) == [1]
+    cache.gate.set()
+    await writing
+    clock.now += 1.0
+    await runtime.checkpoint()
+    assert acked(journal) == [1, 2]
+    assert runtime.ledger.safe_offsets() == {0: 3}
+
+
+async def test_a_failed_checkpoint_acks_nothing_and_stops_the_worker() -> None:
+    runtime, journal, _cache, changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    clock.now += 0.05
+    await runtime.flush()
+    changelog.fail = True
+    clock.now += 1.0
+    await runtime.tick()
+    await asyncio.wait_for(runtime._checkpoint_task, 5)  # type: ignore[arg-type]
+    assert acked(journal) == []
+    assert [type(e) for e in runtime.fatal] == [ConnectionError]  # type: ignore[attr-defined]
+    assert runtime.ledger.dirty and runtime.ledger.ready  # given back, not lost
+    changelog.fail = False
+    await runtime.checkpoint()
+    assert acked(journal) == [1]
+
+
+async def test_poison_in_a_pack_is_dead_lettered_and_the_rest_applies() -> None:
+    runtime, journal, cache, _changelog, dead, clock = make_runtime()
+    good = view(1, 7, 10)
+    bad_id = {**good.to_wire(), "id": 1.5, "pk": "2", "lsn": 11}
+    bad_op = {**good.to_wire(), "op": "z", "pk": "3", "lsn": 12}
+    await runtime.on_message(Delivery(0, 1), pack(good, bad_id, bad_op, view(4, 8, 13)))
+    await runtime.on_message(Delivery(0, 2), b"{not json")
+    clock.now += 0.05
+    await runtime.tick()
+    assert [(o, i, r) for o, i, r, _ in dead.sent] == [
+        (1, 1, "bad-id"),
+        (1, 2, "undecodable"),
+        (2, None, "undecodable"),
+    ]
+    assert orjson.loads(dead.sent[0][3])["id"] == 1.5  # the change itself, for replay
+    assert set(cache.vectors) == {"user:7", "user:8"}
+    clock.now += 1.0
+    await runtime.checkpoint()
+    assert acked(journal) == [1, 2]  # dead-lettered messages are acked like the rest
+
+
+async def test_revoke_checkpoints_everything_before_partitions_move() -> None:
+    runtime, journal, _cache, changelog, _dead, _clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    await runtime.on_revoke()  # no time passed: the batch and checkpoint are forced
+    assert acked(journal) == [1]
+    assert "user:7" in changelog.records
+
+
+async def test_a_truncate_touches_only_its_own_partition() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime(
+        partition_of=lambda key: 0 if key == "user:7" else 1
+    )
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    await runtime.on_message(Delivery(1, 1), pack(view(2, 8, 11)))
+    clock.now += 0.05
+    await runtime.flush()
+    truncate = RegionalChange("public.events", "t", 20, 0, T0)
+    await runtime.on_message(Delivery(0, 2), pack(truncate))
+    clock.now += 0.05
+    await runtime.flush()
+    assert cache.vectors["user:7"]["views_30m"] == 0
+    assert cache.vectors["user:8"]["views_30m"] == 1  # partition 1's copy handles it
+
+
+async def test_duplicates_write_nothing_new() -> None:
+    runtime, journal, _cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    clock.now += 0.05
+    await runtime.flush()
+    await runtime.on_message(Delivery(0, 2), pack(view(1, 7, 10)))  # redelivered
+    clock.now += 0.05
+    await runtime.flush()
+    assert [kind for kind, _ in journal.events] == ["cache"]
