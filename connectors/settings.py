@@ -178,6 +178,20 @@ class TableSettings(BaseModel):
                 f"table {self.name}: home_region_column {self.home_region_column!r} "
                 "cannot be excluded"
             )
+        if (
+            self.home_region_column
+            and self.home_region_column not in self.key
+            and self.replica_identity != "full"
+        ):
+            # With the default replica identity a delete carries only the key
+            # columns (Debezium fills the rest of the old row with empty values), so
+            # the router could not tell which region must forget the row.
+            raise ValueError(
+                f"table {self.name}: personal data (home_region_column "
+                f"{self.home_region_column!r}) needs replica_identity: full, or its deletes "
+                "cannot be routed to the home region; add 'replica_identity: full' to the "
+                "table (edgefeed connectors apply sets it on the table)"
+            )
         return self
 
     @property

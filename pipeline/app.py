@@ -17,13 +17,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import faust
+import redis.exceptions
 from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client import CollectorRegistry
 
 from edge_cache import AsyncFeatureWriter, Delete, RegionSettings, Upsert
 from pipeline.config import PipelineConfig
 from pipeline.envelope import decode_change
-from pipeline.exceptions import PoisonEventError
+from pipeline.exceptions import PoisonEventError, SinkUnavailableError
 from pipeline.faustcompat import (
     PartitionWriter,
     patch_fetch_wait,
@@ -143,7 +144,13 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
                     # Encoded before anything is queued: a change that cannot be
                     # encoded is dead-lettered whole, never half-routed.
                     bound = [(m, m.change.encode()) for m in router.route(change)]
-                except PoisonEventError as exc:
+                except Exception as exc:
+                    # PoisonEventError for bad events; anything else is a bug met by
+                    # this event, which goes to the dead letters instead of crashing
+                    # the agent (Faust would restart it and ack the batch, losing it).
+                    if not isinstance(exc, PoisonEventError):
+                        log.exception("router failed on %s@%s", msg.partition, msg.offset)
+                        exc = PoisonEventError("router-error", f"{type(exc).__name__}: {exc}")
                     measured.dead_letters.labels(app_id, exc.reason).inc()
                     log.warning(
                         "dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc
@@ -177,6 +184,16 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
     return app
 
 
+# What a Redis outage looks like to redis-py (refused, reset, timed out, still loading
+# its data, or paused by a client pause); retried by the runtime, never fatal.
+_UNAVAILABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.BusyLoadingError,
+    OSError,
+)
+
+
 class _FaustCache:
     """CacheSink: the region's Redis through edge_cache's writer (opened lazily)."""
 
@@ -191,6 +208,25 @@ class _FaustCache:
         return self._writer
 
     async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
+        try:
+            return await self._write(ops, now_us)
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
+
+    async def intact(self) -> bool:
+        """The schema registry is written first and never deleted: if it is gone, the
+        Redis lost its data (restarted without persistence, or flushed)."""
+        try:
+            cache = await self.writer()
+            keys = [key for key, _document, _schema in cache.core.schema_documents()]
+            if await cache.client.exists(*keys) == len(keys):
+                return True
+            await cache.publish_schemas()
+            return False
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
+
+    async def _write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
         cache = await self.writer()
         applied = await cache.write(list(ops))
         newest: dict[str, tuple[int, int]] = {}

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.exceptions import PoisonEventError
+from pipeline.messages import MAX_TIME_MS
 
 __all__ = ["Change", "Op", "decode_change"]
 
@@ -19,10 +20,10 @@ _U32 = 2**32 - 1
 class _Source(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    ts_ms: int
+    ts_ms: int = Field(ge=0, le=MAX_TIME_MS)
     schema_: str = ""
     table: str = ""
-    lsn: int | None = None
+    lsn: int | None = Field(default=None, ge=0, le=2**63 - 1)
     snapshot: str | bool | None = None
 
     def __init__(self, **data: Any) -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from edgefeed.errors import EdgefeedError
 
-__all__ = ["FeatureConfigError", "PipelineConfigError", "PipelineError", "PoisonEventError"]
+__all__ = [
+    "FeatureConfigError",
+    "PipelineConfigError",
+    "PipelineError",
+    "PoisonEventError",
+    "SinkUnavailableError",
+]
 
 
 class PipelineError(EdgefeedError):
@@ -34,3 +40,11 @@ class PoisonEventError(PipelineError, ValueError):
 class PipelineConfigError(PipelineError, ValueError):
     """The pipeline was asked for something its configuration does not have (a region
     not in ``regions``). Not retryable: fix the command or the settings."""
+
+
+class SinkUnavailableError(PipelineError):
+    """A dependency the worker writes to (the region's Redis) did not answer: a
+    connection refused or reset, a timeout, a server still loading. Retryable: the
+    worker keeps the batch, acks nothing, and retries with backoff."""
+
+    retryable = True

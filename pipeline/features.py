@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from edge_cache import Delete, Feature, FeatureSchema, Position, Upsert
 from pipeline.aggregates import AggregateRead
 from pipeline.exceptions import PoisonEventError
-from pipeline.messages import RegionalChange
+from pipeline.messages import MAX_TIME_MS, RegionalChange
 from pipeline.rows import DEL as _DEL
 from pipeline.rows import LSN as _LSN
 from pipeline.rows import SEQ as _SEQ
@@ -44,63 +44,176 @@ _U32 = 2**32 - 1
 _S = TypeVar("_S", bound=dict[str, Any])
 
 
+MAX_TEXT_CHARS = 8192  # a text value kept in a state (where filters, distinct values)
+_F32_MAX = 3.4028234663852886e38
+_INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+_NON_FINITE_TEXT = frozenset(
+    ("nan", "-nan", "+nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
+)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}... ({len(text)} characters)"
+
+
 def event_time_ms(value: Any, fallback_ms: int) -> int:
     """A Debezium time value in milliseconds since the epoch.
 
     ISO strings (``timestamptz`` as ZonedTimestamp), and integers in
     microseconds (``timestamp`` as MicroTimestamp), milliseconds or seconds,
     told apart by magnitude. None gives ``fallback_ms``.
+
+    Raises:
+        PoisonEventError: not a time, or outside years 1970-9999.
     """
     if value is None:
         return fallback_ms
     if isinstance(value, bool):
         raise PoisonEventError("wrong-type", f"time value {value!r} is not a time")
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise PoisonEventError("wrong-type", f"time value {value!r} is not a time")
         magnitude = abs(value)
         if magnitude >= 1e14:
-            return int(value // 1000)
-        if magnitude >= 1e11:
-            return int(value)
-        return int(value * 1000)
-    if isinstance(value, str):
+            ms = int(value // 1000)
+        elif magnitude >= 1e11:
+            ms = int(value)
+        else:
+            ms = int(value * 1000)
+    elif isinstance(value, str) and len(value) <= 64:
         try:
             parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
-            raise PoisonEventError("wrong-type", f"time value {value!r} is not ISO 8601") from None
-        return int(parsed.timestamp() * 1000)
-    raise PoisonEventError("wrong-type", f"time value {value!r} is not a time")
+            raise PoisonEventError(
+                "wrong-type", f"time value {_shown(value)} is not ISO 8601"
+            ) from None
+        ms = int(parsed.timestamp() * 1000)
+    else:
+        raise PoisonEventError("wrong-type", f"time value {_shown(value)} is not a time")
+    if not 0 <= ms <= MAX_TIME_MS:
+        raise PoisonEventError(
+            "out-of-range",
+            f"time value {_shown(value)} is outside 1970-01-01..9999-12-31 "
+            "(microseconds, milliseconds or seconds since the epoch, or ISO 8601)",
+        )
+    return ms
+
+
+class NonFinite(Exception):
+    """A NaN or infinite number: stored as missing (one rule for numbers and strings)."""
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, str):
+        if value.strip().lower() in _NON_FINITE_TEXT:
+            raise NonFinite(value)
+        if len(value) > 64:
+            raise ValueError(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise NonFinite(value)
+    return number
 
 
 def _coerce(value: Any, dtype: str, where: str) -> Any:
+    """``value`` converted to ``dtype``, checked against its range.
+
+    Raises:
+        NonFinite: NaN or an infinity (the caller stores a missing value).
+        PoisonEventError: not convertible, or out of the dtype's range.
+    """
     if value is None:
         return None
     try:
         if dtype in ("float32", "float64"):
             if isinstance(value, bool):
                 return float(value)
-            number = float(value)
-            if math.isnan(number):
-                return None
-            if math.isinf(number):
-                raise ValueError(value)
+            number = _number(value)
+            if dtype == "float32" and abs(number) > _F32_MAX:
+                raise PoisonEventError(
+                    "out-of-range", f"{where}: value {_shown(value)} is out of float32 range"
+                )
             return number
-        if dtype in ("int32", "int64"):
+        if dtype in _INT_RANGE:
             if isinstance(value, bool):
                 return int(value)
-            if isinstance(value, float):
-                if not value.is_integer():
+            if isinstance(value, float) or (isinstance(value, str) and not value.isdigit()):
+                number = _number(value)
+                if not number.is_integer():
                     raise ValueError(value)
-                return int(value)
-            return int(value)
+                value = int(number)
+            elif isinstance(value, str) and len(value) > 64:
+                raise ValueError(value)
+            integer = int(value)
+            low, high = _INT_RANGE[dtype]
+            if not low <= integer <= high:
+                raise PoisonEventError(
+                    "out-of-range", f"{where}: value {_shown(value)} is out of {dtype} range"
+                )
+            return integer
         if dtype == "bool":
             if isinstance(value, bool):
                 return value
             if value in (0, 1, "true", "false", "t", "f"):
                 return value in (1, "true", "t")
             raise ValueError(value)
-    except (TypeError, ValueError):
+    except PoisonEventError:
+        raise
+    except (TypeError, ValueError, OverflowError):
         pass
-    raise PoisonEventError("wrong-type", f"{where}: value {value!r} is not a valid {dtype}")
+    raise PoisonEventError("wrong-type", f"{where}: value {_shown(value)} is not a valid {dtype}")
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A value of a column kept as it comes (where filters, distinct values): a bounded
+    string, a 64-bit integer, a finite number, a bool or null.
+
+    Raises:
+        NonFinite: NaN or an infinity.
+        PoisonEventError: anything else (objects, lists, huge numbers, long text).
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if len(value) > MAX_TEXT_CHARS:
+            raise PoisonEventError(
+                "too-large",
+                f"{where}: text of {len(value)} characters is over the {MAX_TEXT_CHARS} a "
+                "feature column may hold",
+            )
+        return value
+    if isinstance(value, int):
+        low, high = _INT_RANGE["int64"]
+        if not low <= value <= high:
+            raise PoisonEventError(
+                "out-of-range", f"{where}: value {_shown(value)} is out of int64 range"
+            )
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise NonFinite(value)
+        return value
+    raise PoisonEventError("wrong-type", f"{where}: value {_shown(value)} is not a scalar")
+
+
+def _fits(dtype: str, value: Any) -> bool:
+    """True if the cache can store ``value`` as ``dtype`` (a vector value that cannot,
+    an aggregate overflowing its dtype, is stored as missing instead)."""
+    if value is None or dtype == "bool":
+        return True
+    if isinstance(value, bool):
+        return False
+    if dtype in _INT_RANGE:
+        low, high = _INT_RANGE[dtype]
+        return isinstance(value, int) and low <= value <= high
+    if not isinstance(value, int | float):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and (dtype != "float32" or abs(number) <= _F32_MAX)
 
 
 CHUNK_MS = 10_000  # rows go to the changelog in chunks of this much event time
@@ -143,6 +256,7 @@ class EntityEngine:
 
     def __init__(self, entity: EntitySettings) -> None:
         self.settings = entity
+        self.non_finite = 0  # NaN/infinite values stored as missing (a metric reads it)
         features: list[Feature] = [Feature(f.name, f.dtype) for f in entity.latest]
         for aggregate in entity.aggregates:
             features.extend(Feature(n, aggregate.effective_dtype) for n in aggregate.feature_names)
@@ -225,9 +339,21 @@ class EntityEngine:
         if op == "x":
             if gone is not None and tuple(gone) >= position:
                 return state, False
+            # The entity is removed as of this position: its rows changed later (a
+            # reused id, or a removal that arrives late) stay.
+            survivors = {
+                table: {pk: e for pk, e in rows.items() if (e[_LSN], e[_SEQ]) > position}
+                for table, rows in state["rows"].items()
+            }
             removed = EntityState(
-                rows={}, lsn=state["lsn"], rev=state["rev"], ts=state["ts"], gone=[lsn, seq]
+                rows={t: r for t, r in survivors.items() if r},
+                lsn=state["lsn"],
+                rev=state["rev"],
+                ts=state["ts"],
+                gone=[lsn, seq],
             )
+            if state.get("marks"):
+                removed["marks"] = state["marks"]
             removed.changed = state.changed | {
                 (table, chunk_of(e[_T]))
                 for table, rows in state["rows"].items()
@@ -235,7 +361,7 @@ class EntityEngine:
             }
             return self._stamp(removed, lsn, change.commit_ms), True
         if gone is not None and tuple(gone) >= position:
-            return state, False  # older than the entity's removal
+            return state, False  # older than the entity's removal (gone stays: it guards)
         table = change.table
         needs = self.needs.get(table)
         if needs is None:
@@ -255,8 +381,14 @@ class EntityEngine:
             for column in needs.columns:
                 value = row.get(column)
                 dtype = needs.dtypes.get(column)
-                if dtype is not None:
-                    value = _coerce(value, dtype, f"{table}.{column}")
+                try:
+                    if dtype is not None:
+                        value = _coerce(value, dtype, f"{table}.{column}")
+                    elif column != needs.time_column:
+                        value = _plain(value, f"{table}.{column}")
+                except NonFinite:
+                    value = None
+                    self.non_finite += 1
                 values[column] = value
             event_ms = event_time_ms(
                 row.get(needs.time_column) if needs.time_column else None, change.commit_ms
@@ -267,8 +399,6 @@ class EntityEngine:
         state.changed.add((table, chunk_of(rows[pk][_T])))
         if current is not None:
             state.changed.add((table, chunk_of(current[_T])))
-        if gone is not None:
-            state["gone"] = None
         return self._stamp(state, lsn, change.commit_ms), True
 
     def truncate(self, state: dict[str, Any], change: RegionalChange | Mapping[str, Any]) -> bool:
@@ -277,15 +407,25 @@ class EntityEngine:
             data = dict(change)
             change = RegionalChange.from_wire({"op": "t", "seq": 0, **data})
         table = change.table
-        rows = state["rows"].pop(table, None)
+        rows = state["rows"].get(table)
         if not rows:
             return False
+        # Rows changed after the truncate (a stale truncate arriving late) stay.
+        position = change.position
+        cut = {pk: e for pk, e in rows.items() if (e[_LSN], e[_SEQ]) < position}
+        if not cut:
+            return False
+        kept = {pk: e for pk, e in rows.items() if pk not in cut}
+        if kept:
+            state["rows"][table] = kept
+        else:
+            del state["rows"][table]
         if isinstance(state, EntityState):
-            state.changed.update((table, chunk_of(e[_T])) for e in rows.values())
+            state.changed.update((table, chunk_of(e[_T])) for e in cut.values())
         if isinstance(state, EntityState) and state.index is not None:
             state.index.pop(table, None)
             if table in self._windows:
-                state.index[table] = TableIndex(list(self._windows[table].values()), {})
+                state.index[table] = TableIndex(list(self._windows[table].values()), kept)
         self._stamp(state, change.lsn, change.commit_ms)
         return True
 
@@ -378,14 +518,23 @@ class EntityEngine:
                 column=agg.column or "",
                 n=len(names),
             )
-            values.update(zip(names, agg.kind.read(read), strict=True))
+            try:
+                computed = agg.kind.read(read)
+            except OverflowError:  # an exact sum beyond any float
+                computed = [None] * len(names)
+            values.update(zip(names, computed, strict=True))
+        for feature in self.schema.features:  # what its dtype cannot hold is missing
+            if not _fits(feature.dtype, values.get(feature.name)):
+                values[feature.name] = None
         return values
 
     def write_op(self, entity_id: Any, state: Mapping[str, Any]) -> Upsert | Delete:
         """The cache write for the state: its vector, or a delete once the entity is gone."""
         position = Position(int(state["lsn"]), int(state["rev"]))
         commit_s = int(state["ts"]) / 1000.0
-        if state.get("gone") is not None:
+        if state.get("gone") is not None and not any(
+            not e[_DEL] for rows in state["rows"].values() for e in rows.values()
+        ):
             return Delete(self.schema.entity, entity_id, position, commit_s)
         return Upsert(self.schema.entity, entity_id, self.vector(state), position, commit_s)
 

@@ -24,6 +24,7 @@ import orjson
 from pipeline.exceptions import PoisonEventError
 
 __all__ = [
+    "MAX_CHANGE_BYTES",
     "PACK_BYTES",
     "ChangeOp",
     "RegionalChange",
@@ -39,16 +40,18 @@ table truncated (sent to every partition of every region, no entity)."""
 _OPS: frozenset[str] = frozenset(get_args(ChangeOp))
 _ROW_OPS = frozenset(("c", "u", "r"))
 _I64 = 2**63 - 1
+MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: what the cache can stamp
 _MAX_ID_CHARS = 512
 PACK_BYTES = 256 * 1024
+MAX_CHANGE_BYTES = 512 * 1024  # one change alone; brokers refuse messages over ~1 MB
 
 
-def _position(data: Mapping[str, Any], name: str) -> int:
+def _position(data: Mapping[str, Any], name: str, high: int = _I64) -> int:
     value = data.get(name)
-    if type(value) is not int or not 0 <= value <= _I64:
+    if type(value) is not int or not 0 <= value <= high:
         raise PoisonEventError(
             "undecodable",
-            f"change field {name!r} must be an integer from 0 to 2^63-1, got {_shown(value)}",
+            f"change field {name!r} must be an integer from 0 to {high}, got {_shown(value)}",
         )
     return value
 
@@ -131,9 +134,18 @@ class RegionalChange:
             PoisonEventError: a value JSON cannot carry (an integer over 64 bits, ...).
         """
         try:
-            return orjson.dumps(self.to_wire())
+            body = orjson.dumps(self.to_wire())
         except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
-            raise PoisonEventError("unencodable", f"{self.table}: {exc}") from None
+            raise PoisonEventError(
+                "unencodable", f"{self.table}: the change cannot be encoded as JSON: {exc}"
+            ) from None
+        if len(body) > MAX_CHANGE_BYTES:
+            raise PoisonEventError(
+                "too-large",
+                f"{self.table}: the change is {len(body)} bytes, over the {MAX_CHANGE_BYTES} a "
+                "regional message may carry; exclude the large columns (exclude_columns)",
+            )
+        return body
 
     @classmethod
     def from_wire(cls, data: Any) -> RegionalChange:
@@ -154,7 +166,8 @@ class RegionalChange:
         table = data.get("t")
         if type(table) is not str or not table:
             raise PoisonEventError("undecodable", f"change table {_shown(table)} must be a name")
-        lsn, seq, ts = _position(data, "lsn"), _position(data, "seq"), _position(data, "ts")
+        lsn, seq = _position(data, "lsn"), _position(data, "seq")
+        ts = _position(data, "ts", MAX_TIME_MS)
         if op == "t":
             return cls(table, op, lsn, seq, ts)
         entity = data.get("e")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["PipelineMetrics"]
 
@@ -29,6 +29,11 @@ class PipelineMetrics:
     freshness: Histogram
     batch_seconds: Histogram
     write_seconds: Histogram
+    non_finite: Counter
+    cache_up: Gauge
+    cache_retries: Counter
+    cache_refills: Counter
+    quarantined: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PipelineMetrics:
@@ -75,6 +80,36 @@ class PipelineMetrics:
             write_seconds=Histogram(
                 "edgefeed_pipeline_cache_write_seconds",
                 "Latency of one pipelined batch write to Redis",
+                ["region"],
+                registry=registry,
+            ),
+            non_finite=Counter(
+                "edgefeed_pipeline_non_finite_values_total",
+                "NaN or infinite values in feature columns, stored as missing",
+                ["region"],
+                registry=registry,
+            ),
+            cache_up=Gauge(
+                "edgefeed_pipeline_cache_up",
+                "1 while the region's cache answers the worker, 0 while it retries",
+                ["region"],
+                registry=registry,
+            ),
+            cache_retries=Counter(
+                "edgefeed_pipeline_cache_retries_total",
+                "Cache writes retried because the cache did not answer",
+                ["region"],
+                registry=registry,
+            ),
+            cache_refills=Counter(
+                "edgefeed_pipeline_cache_refills_total",
+                "Times the worker found its cache empty (data lost) and wrote every vector again",
+                ["region"],
+                registry=registry,
+            ),
+            quarantined=Gauge(
+                "edgefeed_pipeline_quarantined_entities",
+                "Entities whose vectors the cache refuses (writes skipped; see the worker log)",
                 ["region"],
                 registry=registry,
             ),

@@ -32,7 +32,7 @@ from typing import Protocol
 import orjson
 
 from edge_cache import Delete, Upsert
-from pipeline.exceptions import PoisonEventError
+from pipeline.exceptions import PoisonEventError, SinkUnavailableError
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.messages import RegionalChange, decode_pack
 from pipeline.metrics import PipelineMetrics
@@ -44,6 +44,9 @@ __all__ = ["Acker", "CacheSink", "ChangelogSink", "DeadLetterSink", "RegionRunti
 log = logging.getLogger("edgefeed.pipeline")
 
 CHECKPOINT_SLICE = 16  # entity states written between yields to the event loop
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 5.0  # backoff while the cache is unavailable
+INTACT_CHECK_S = 5.0  # how often the worker checks that its cache kept its data
+REFILL_SLICE = 500  # vectors per write when refilling a cache that lost its data
 
 
 class CacheSink(Protocol):
@@ -51,7 +54,21 @@ class CacheSink(Protocol):
 
     async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
         """Write the ops (position-checked) and the freshness of their entity types in one
-        round trip; per op, whether it was applied."""
+        round trip; per op, whether it was applied.
+
+        Raises:
+            SinkUnavailableError: the cache did not answer (retried by the caller).
+            ValueError: a value the cache refuses (the caller quarantines its entity).
+        """
+        ...
+
+    async def intact(self) -> bool:
+        """False when the cache lost what the worker wrote (a restart without
+        persistence): the worker then writes every vector again.
+
+        Raises:
+            SinkUnavailableError: the cache did not answer.
+        """
         ...
 
 
@@ -140,6 +157,17 @@ class RegionRuntime:
         self._batch_seconds = metrics.batch_seconds.labels(app_id)
         self._write_seconds = metrics.write_seconds.labels(region)
         self._freshness = metrics.freshness.labels(region)
+        self._non_finite = metrics.non_finite.labels(region)
+        self._cache_up = metrics.cache_up.labels(region)
+        self._cache_up.set(1)
+        self._retries = metrics.cache_retries.labels(region)
+        self._quarantine_gauge = metrics.quarantined.labels(region)
+        self._refills = metrics.cache_refills.labels(region)
+        # Entity key -> why its vector cannot be written; its changes still apply to
+        # the state (so it is right once the cause is fixed), its writes are skipped.
+        self.quarantined: dict[str, str] = {}
+        self._next_intact_check = clock() + INTACT_CHECK_S
+        self.retry_first_s, self.retry_max_s = RETRY_FIRST_S, RETRY_MAX_S
         self._written = {
             flag: metrics.cache_writes.labels(region, str(flag).lower()) for flag in (True, False)
         }
@@ -167,7 +195,13 @@ class RegionRuntime:
         for index, entry in enumerate(entries):
             try:
                 self._apply(RegionalChange.from_wire(entry), delivery)
-            except (PoisonEventError, ValueError, KeyError, TypeError, OverflowError) as exc:
+            except Exception as exc:
+                # PoisonEventError for a bad change; anything else is a bug this change
+                # met: dead-lettered with the reason, never a crash (a crash would
+                # replay the same change after every restart).
+                if not isinstance(exc, PoisonEventError):
+                    log.exception("worker failed on %s@%s", delivery.partition, delivery.offset)
+                    exc = PoisonEventError("worker-error", f"{type(exc).__name__}: {exc}")
                 await self._dead_letter(
                     delivery, _encode_entry(entry), exc, index if is_pack else None
                 )
@@ -180,7 +214,10 @@ class RegionRuntime:
             return
         entity = self.engine.engine(change.entity)
         key = change.key or ""
+        non_finite = entity.non_finite
         new_state, changed = entity.apply(self.live.get(key), change)
+        if entity.non_finite != non_finite:
+            self._non_finite.inc(entity.non_finite - non_finite)
         if changed and new_state is not None:
             self.live[key] = new_state
             self.batch.touch(key, Touched(change.entity, change.entity_id, delivery, new_state))
@@ -214,9 +251,37 @@ class RegionRuntime:
 
     async def tick(self) -> None:
         """Timer: close a batch no further message will close (the stream went quiet),
-        and checkpoint once the interval has passed."""
-        if self.batch.due(self.clock()) or self.ledger.due(self.clock()):
+        checkpoint once the interval has passed, and now and then check that the cache
+        still holds what was written."""
+        now = self.clock()
+        if self.batch.due(now) or self.ledger.due(now):
             await self.flush()
+        if now >= self._next_intact_check and not self._flush_lock.locked():
+            self._next_intact_check = now + INTACT_CHECK_S
+            await self.check_cache()
+
+    async def check_cache(self) -> bool:
+        """Refill the cache if it lost its data; True if it had to."""
+        async with self._flush_lock:
+            try:
+                if await self.cache.intact():
+                    return False
+            except SinkUnavailableError:
+                return False  # the next write retries; the next check asks again
+            log.warning(
+                "region %s: the cache lost its data; writing all %d vectors again",
+                self.region,
+                len(self.live),
+            )
+            self._refills.inc()
+            keys = [key for key in self.live if key not in self.quarantined]
+            for start in range(0, len(keys), REFILL_SLICE):
+                ops: list[Upsert | Delete] = []
+                for key in keys[start : start + REFILL_SLICE]:
+                    entity_type, entity_id = key.split(":", 1)
+                    ops.append(self.engine.engine(entity_type).write_op(entity_id, self.live[key]))
+                await self._write(ops, keys[start : start + REFILL_SLICE])
+            return True
 
     async def flush(self) -> None:
         """Write the open batch's vectors to the cache, then start a checkpoint if due."""
@@ -225,16 +290,17 @@ class RegionRuntime:
             if closed.deliveries:
                 started = time.perf_counter()
                 ops: list[Upsert | Delete] = []
+                keys: list[str] = []
                 states: list[tuple[str, Delivery, EntityState]] = []
                 for key, touched in closed.touched.items():
-                    ops.append(
-                        self.engine.engine(touched.entity).write_op(
-                            touched.entity_id, touched.state
-                        )
-                    )
                     states.append((key, touched.delivery, touched.state))
+                    if key in self.quarantined:
+                        continue
+                    entity = self.engine.engine(touched.entity)
+                    ops.append(entity.write_op(touched.entity_id, touched.state))
+                    keys.append(key)
                 if ops:
-                    await self._write(ops)
+                    await self._write(ops, keys)
                 # In the cache now: the states await the changelog, the messages an ack.
                 self.ledger.written(closed.deliveries, states)
                 elapsed = time.perf_counter() - started
@@ -244,7 +310,47 @@ class RegionRuntime:
             if self.ledger.due(self.clock()) and not self._checkpoint_lock.locked():
                 self._checkpoint_task = asyncio.ensure_future(self._checkpoint_or_fail())
 
-    async def _write(self, ops: list[Upsert | Delete]) -> None:
+    async def _write(self, ops: list[Upsert | Delete], keys: list[str]) -> None:
+        """Write ``ops`` (of entities ``keys``): retried while the cache is unavailable;
+        an entity whose value the cache refuses is quarantined, the rest written."""
+        try:
+            await self._write_retrying(ops)
+        except (ValueError, TypeError, OverflowError) as exc:
+            if len(ops) == 1:
+                self._quarantine(keys[0], exc)
+                return
+            # Find the entities at fault: each op alone (writes are position-checked,
+            # so writing the good ones again changes nothing).
+            for op, key in zip(ops, keys, strict=True):
+                await self._write([op], [key])
+
+    def _quarantine(self, key: str, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        if key not in self.quarantined:
+            log.error("region %s: entity %s quarantined: %s", self.region, key, reason)
+        self.quarantined[key] = reason[:500]
+        self._quarantine_gauge.set(len(self.quarantined))
+
+    async def _write_retrying(self, ops: list[Upsert | Delete]) -> None:
+        delay = self.retry_first_s
+        while True:
+            try:
+                await self._write_once(ops)
+            except SinkUnavailableError as exc:
+                # Nothing of this batch is acked until it is written: the stream
+                # waits here (the consumer pauses) and resumes where it was.
+                self._cache_up.set(0)
+                self._retries.inc()
+                log.warning(
+                    "region %s: cache unavailable (%s); retrying in %.1f s", self.region, exc, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(self.retry_max_s, delay * 2)
+                continue
+            self._cache_up.set(1)
+            return
+
+    async def _write_once(self, ops: list[Upsert | Delete]) -> None:
         started = time.perf_counter()
         now_us = int(time.time() * 1_000_000)
         applied = await self.cache.write(ops, now_us)

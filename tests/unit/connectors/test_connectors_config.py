@@ -27,6 +27,7 @@ def shop() -> SourceSettings:
                 key=["user_id"],
                 home_region_column="home_region",
                 exclude_columns=["email"],
+                replica_identity="full",
             ),
             TableSettings(name="public.items", key=["item_id"], snapshot=False),
         ],
@@ -122,3 +123,12 @@ def test_check_sources_lists_every_problem_with_its_fix(monkeypatch: pytest.Monk
     assert "wal_level='replica'" in message and "wal_level=logical" in message
     assert "public.items does not exist" in message
     assert isinstance(info.value, ValueError)
+
+
+def test_a_personal_table_whose_deletes_cannot_be_routed_is_refused() -> None:
+    """Default replica identity: a delete's old row holds only the key, so the router
+    cannot know the home region (all deletes of the shipped events table were lost)."""
+    with pytest.raises(ValueError, match=r"public\.events.*needs replica_identity: full"):
+        TableSettings(name="events", key=["event_id"], home_region_column="home_region")
+    # The home region in the key travels with every delete: fine without it.
+    TableSettings(name="visits", key=["home_region", "visit_id"], home_region_column="home_region")

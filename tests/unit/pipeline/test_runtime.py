@@ -13,7 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from edge_cache import Delete, Upsert
+from edge_cache.exceptions import InvalidValueError
 from edgefeed.settings import load_settings
+from pipeline.exceptions import SinkUnavailableError
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.messages import RegionalChange, encode_packs
 from pipeline.metrics import PipelineMetrics
@@ -191,11 +193,26 @@ class FakeCache:
         self.gate: asyncio.Event | None = None  # set: a write blocks until released
         self.entered = asyncio.Event()
         self.vectors: dict[str, Any] = {}
+        self.down_for = 0  # the next writes that find the cache unavailable
+        self.refuse: set[str] = set()  # entity keys whose values the cache refuses
+        self.lost = False
+
+    async def intact(self) -> bool:
+        if self.lost:
+            self.lost = False
+            return False
+        return True
 
     async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
+        if self.down_for:
+            self.down_for -= 1
+            raise SinkUnavailableError("connection refused")
+        for op in ops:
+            if f"{op.entity}:{op.id}" in self.refuse:
+                raise InvalidValueError(f"feature value of {op.entity}:{op.id} does not fit")
         for op in ops:
             key = f"{op.entity}:{op.id}"
             self.vectors[key] = op.values if isinstance(op, Upsert) else None
@@ -274,6 +291,7 @@ def make_runtime(
         clock=clock,
     )
     runtime.fatal = fatal  # type: ignore[attr-defined]
+    runtime.retry_first_s = runtime.retry_max_s = 0.001
     return runtime, journal, cache, changelog, dead, clock
 
 
@@ -410,3 +428,46 @@ async def test_duplicates_write_nothing_new() -> None:
     clock.now += 0.05
     await runtime.flush()
     assert [kind for kind, _ in journal.events] == ["cache"]
+
+
+async def test_an_unavailable_cache_is_retried_and_nothing_is_acked_meanwhile() -> None:
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    cache.down_for = 3  # a Redis blip: three refused writes
+    clock.now += 0.05
+    await runtime.flush()  # returns once written: the blip cost time, not data
+    assert cache.vectors["user:7"]["views_30m"] == 1 and cache.down_for == 0
+    assert runtime.fatal == []  # type: ignore[attr-defined]
+    clock.now += 1.0
+    await runtime.checkpoint()
+    assert acked(journal) == [1]
+
+
+async def test_an_entity_the_cache_refuses_is_quarantined_and_the_rest_flows() -> None:
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    cache.refuse = {"user:8"}
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10), view(2, 8, 11), view(3, 9, 12)))
+    clock.now += 0.05
+    await runtime.flush()
+    assert set(cache.vectors) == {"user:7", "user:9"}
+    assert set(runtime.quarantined) == {"user:8"}
+    assert "does not fit" in runtime.quarantined["user:8"]
+    await runtime.on_message(Delivery(0, 2), pack(view(4, 8, 13), view(5, 7, 14)))
+    clock.now += 0.05
+    await runtime.flush()  # the quarantined entity is skipped, not retried forever
+    assert cache.vectors["user:7"]["views_30m"] == 2
+    clock.now += 1.0
+    await runtime.checkpoint()
+    assert acked(journal) == [1, 2]  # nothing waits on the quarantined entity
+
+
+async def test_a_cache_that_lost_its_data_is_refilled_from_the_states() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10), view(2, 8, 11)))
+    clock.now += 0.05
+    await runtime.flush()
+    cache.vectors.clear()  # redis-server restarted without persistence
+    cache.lost = True
+    assert await runtime.check_cache()
+    assert cache.vectors["user:7"]["views_30m"] == 1 and cache.vectors["user:8"]["views_30m"] == 1
+    assert not await runtime.check_cache()  # intact again: nothing rewritten
