@@ -1,0 +1,159 @@
+"""Faults on the real stack: hostile Debezium events that once crashed a region (and
+crashed it again on every restart), a paused Redis, and a Redis that lost its data.
+
+The workers are real ``edgefeed pipeline run`` processes; Redis is the session's
+redis-server (paused with CLIENT PAUSE, emptied with FLUSHDB)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from e2e_harness import PipelineRun, pipeline_run  # noqa: F401 - the fixture
+from test_pipeline_end_to_end import add_event, read_all, redis_of, sql, wait_for
+from test_pipeline_end_to_end import vector as read_vector
+
+from edge_cache.exceptions import RegionUnavailableError
+
+pytestmark = pytest.mark.integration
+
+T0_MS = 1_780_315_200_000  # 2026-06-01T12:00:00Z
+
+
+def debezium(run: PipelineRun, table: str, after: dict[str, Any], lsn: int, **source: Any) -> bytes:
+    """A Debezium create event as Connect's JSON converter writes it (no schema)."""
+    body = {
+        "op": "c",
+        "before": None,
+        "after": after,
+        "source": {"ts_ms": T0_MS, "schema": run.schema, "table": table, "lsn": lsn, **source},
+        "ts_ms": T0_MS,
+    }
+    return json.dumps(body).encode()
+
+
+def vector(run: PipelineRun, region: str, entity: str, entity_id: int) -> dict[str, Any] | None:
+    """The entity's vector, or None while the region's Redis does not answer."""
+    try:
+        return read_vector(run, region, entity, entity_id)
+    except RegionUnavailableError:
+        return None
+
+
+def hostile_events(run: PipelineRun) -> list[tuple[str, bytes]]:
+    """What passed validation before and failed later, at the Redis or changelog write."""
+    user = {"user_id": 2001, "home_region": "eu-west", "country": "DE", "segment": 1}
+    item = {"item_id": 601, "category_id": 3, "price": "1.00"}
+    event = {"event_id": 9001, "user_id": 2001, "item_id": 601, "category_id": 3,
+             "price": "1.00", "home_region": "eu-west", "kind": "view",
+             "occurred_at": "2026-06-01T12:00:00Z"}  # fmt: skip
+    return [
+        ("users", debezium(run, "users", {**user, "segment": 2**40}, 10)),
+        ("users", debezium(run, "users", {**user, "segment": "99999999999"}, 11)),
+        ("users", debezium(run, "users", {**user, "user_id": 1.5}, 12)),
+        ("users", debezium(run, "users", {**user, "user_id": True}, 13)),
+        ("users", debezium(run, "users", {**user, "user_id": {}}, 14)),
+        ("users", debezium(run, "users", {**user, "user_id": ""}, 15)),
+        ("items", debezium(run, "items", {**item, "price": 1e39}, 16)),  # crashed 3 regions
+        ("events", debezium(run, "events", {**event, "occurred_at": 1e300}, 17)),
+        ("events", debezium(run, "events", {**event, "kind": "v" * 600_000}, 18)),
+        ("events", debezium(run, "events", {**event, "blob": 2**70}, 19)),
+        ("users", debezium(run, "users", user, 20, ts_ms=10**17)),
+    ]
+
+
+def test_hostile_values_are_dead_lettered_and_never_crash_a_region(
+    pipeline_run: PipelineRun,
+) -> None:
+    run = pipeline_run
+    bootstrap = run.settings.kafka.bootstrap_servers
+    source = run.settings.sources[0]
+    poison = hostile_events(run)
+
+    async def produce() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=4 * 2**20)
+        await producer.start()
+        try:
+            for table, value in poison:
+                await producer.send_and_wait(source.topic_for(run.table(table)), value)
+        finally:
+            await producer.stop()
+
+    asyncio.run(produce())
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(2002, 'eu-west', 'FR', 4, 'd@example.org')",
+    )
+    add_event(run, 2002, 601, 3, "2.00", "eu-west", "view", 1)
+    wait_for(
+        "user 2002 after the hostile events",
+        lambda: (vector(run, "eu-west", "user", 2002) or {}).get("views_30m") == 1,
+    )
+    for name, proc in run.procs.items():
+        assert proc.poll() is None, f"{name} exited"
+
+    dead = asyncio.run(read_all(bootstrap, run.settings.pipeline.dead_letter_topic))
+    reasons = sorted(
+        dict(r.headers)["edgefeed-reason"].decode()
+        for r in dead
+        if dict(r.headers).get("edgefeed-offset") is not None and r.value != b"{this is not json"
+    )
+    # Every hostile event is dead-lettered once, by the router or by a region.
+    assert len(reasons) >= len(poison)
+    assert {"out-of-range", "bad-id", "too-large", "unencodable", "undecodable"} <= set(reasons)
+
+    # A restart replays the changelog and whatever was not acked: nothing crashes again.
+    run.kill9("eu-west")
+    run.start("eu-west")
+    add_event(run, 2002, 601, 3, "2.00", "eu-west", "view", 0.5)
+    wait_for(
+        "user 2002 after a restart",
+        lambda: (vector(run, "eu-west", "user", 2002) or {}).get("views_30m") == 2,
+    )
+    assert run.procs["eu-west"].poll() is None
+
+
+def test_a_paused_redis_is_waited_for_and_nothing_is_lost(pipeline_run: PipelineRun) -> None:
+    run = pipeline_run
+    cache = redis_of(run, "us-east")
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(2101, 'us-east', 'US', 1, 'e@example.org')",
+    )
+    wait_for("user 2101", lambda: vector(run, "us-east", "user", 2101) is not None)
+    # Redis answers nothing for 7 s (longer than the writer's 5 s socket timeout).
+    cache.execute_command("CLIENT", "PAUSE", 7000, "ALL")
+    for minutes in (3, 2, 1):
+        add_event(run, 2101, 601, 3, "2.00", "us-east", "view", minutes)
+    wait_for(
+        "user 2101's three views after the pause",
+        lambda: (vector(run, "us-east", "user", 2101) or {}).get("views_30m") == 3,
+    )
+    assert run.procs["us-east"].poll() is None
+
+
+def test_a_redis_that_lost_its_data_is_refilled(pipeline_run: PipelineRun) -> None:
+    run = pipeline_run
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(2201, 'ap-southeast', 'SG', 3, 'f@example.org')",
+    )
+    add_event(run, 2201, 601, 3, "2.00", "ap-southeast", "view", 1)
+    wait_for(
+        "user 2201",
+        lambda: (vector(run, "ap-southeast", "user", 2201) or {}).get("views_30m") == 1,
+    )
+    redis_of(run, "ap-southeast").flushdb()  # a restart without persistence
+    # No new event for the user: the worker notices the empty cache and writes its states.
+    wait_for(
+        "user 2201 written again",
+        lambda: (vector(run, "ap-southeast", "user", 2201) or {}).get("segment") == 3,
+        timeout_s=60,
+    )
+    assert (vector(run, "ap-southeast", "user", 2201) or {}).get("views_30m") == 1
