@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -10,9 +11,9 @@ from psycopg import sql
 from connectors.config import HEARTBEAT_TABLE
 from connectors.exceptions import SourceValidationError
 from connectors.secrets import redact
-from connectors.settings import DatabaseSettings, SourceSettings
+from connectors.settings import DatabaseSettings, SourceSettings, TableSettings
 
-__all__ = ["check_sources", "prepare_database", "table_columns"]
+__all__ = ["check_sources", "prepare_database", "read_rows", "table_columns"]
 
 
 def _connect(database: DatabaseSettings) -> psycopg.Connection[tuple[object, ...]]:
@@ -109,4 +110,38 @@ def table_columns(database: DatabaseSettings, tables: Sequence[str]) -> dict[str
                 (schema, table),
             ).fetchall()
             result[name] = {str(r[0]) for r in rows}
+    return result
+
+
+def read_rows(
+    database: DatabaseSettings, tables: Sequence[TableSettings]
+) -> dict[str, list[dict[str, Any]]]:
+    """The current rows of each table (captured columns only), in key order.
+
+    Raises:
+        SourceValidationError: the database cannot be reached.
+    """
+    result: dict[str, list[dict[str, Any]]] = {}
+    with _connect(database) as conn:
+        for table in tables:
+            columns = [
+                str(r[0])
+                for r in conn.execute(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_schema = %s AND table_name = %s ORDER BY ordinal_position",
+                    (table.schema_name, table.table_name),
+                ).fetchall()
+                if str(r[0]) not in table.exclude_columns
+            ]
+            if not columns:
+                result[table.name] = []
+                continue
+            query = sql.SQL("SELECT {} FROM {} ORDER BY {}").format(
+                sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+                sql.Identifier(table.schema_name, table.table_name),
+                sql.SQL(", ").join(sql.Identifier(c) for c in table.key),
+            )
+            result[table.name] = [
+                dict(zip(columns, row, strict=True)) for row in conn.execute(query).fetchall()
+            ]
     return result

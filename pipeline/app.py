@@ -345,10 +345,21 @@ def build_region_app(
     async def features(stream: Any) -> None:
         acker.stream = stream
         stream.enable_acks = False  # acked at checkpoints, after the cache write
-        async for event in stream.events():
-            msg = event.message
-            delivery = Delivery(msg.partition, msg.offset, event, event.key, str(msg.topic))
-            await runtime.on_message(delivery, event.value or b"")
+        try:
+            async for event in stream.events():
+                msg = event.message
+                delivery = Delivery(msg.partition, msg.offset, event, event.key, str(msg.topic))
+                await runtime.on_message(delivery, event.value or b"")
+        except Exception as exc:
+            # Faust would restart the agent in the same consumer, which has already
+            # fetched past the messages of the lost batch: they would never be
+            # processed nor acked, the committed offset would stick, and only a
+            # restart would read them (a partition's backlog seemed skipped). Stop
+            # the worker instead: restarted, it resumes at the committed offset,
+            # which never passes an unwritten change.
+            log.exception("region %s: the feature agent failed; stopping the worker", region_name)
+            await app.crash(exc)
+            raise
 
     @app.timer(interval=max(0.005, pipeline.batch_within_ms / 2000.0))  # type: ignore[untyped-decorator]
     async def flush_quiet_tail() -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from edgefeed.cli._common import EXIT_USAGE, err_console, run_reported, settings_of
+from edgefeed.cli._common import EXIT_USAGE, console, err_console, run_reported, settings_of
 from edgefeed.pipeline_config import pipeline_config
 
 __all__ = ["register"]
@@ -72,6 +72,51 @@ def run(
     )
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
+
+
+EXIT_MISMATCH = 3
+
+
+@pipeline_app.command("verify")
+def verify_command(
+    ctx: typer.Context,
+    region: Annotated[
+        list[str] | None, typer.Option(help="Only this region (repeatable); default all.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    show: Annotated[int, typer.Option(help="Differences listed at most.")] = 20,
+) -> None:
+    """Compare every region's cache with a recomputation from the source tables.
+
+    Exit 0: every vector equals the recomputation; 3: differences (listed).
+    """
+    import json
+
+    from edgefeed.verify import verify
+
+    settings = settings_of(ctx)
+    if region:
+        for name in region:
+            run_reported(lambda name=name: settings.region(name))  # type: ignore[misc]
+    report = run_reported(lambda: verify(settings, region or None))
+    if as_json:
+        print(json.dumps(report.to_dict(), default=str))
+    else:
+        for name, count in report.checked.items():
+            wrong = sum(1 for m in report.mismatches if m.region == name)
+            console.print(f"{name}: {count} vectors checked, {wrong} differ")
+        for m in report.mismatches[:show]:
+            console.print(
+                f"  {m.region} {m.entity}:{m.entity_id} {m.what}"
+                + (f" expected {m.expected!r} found {m.found!r}" if m.expected or m.found else "")
+            )
+        if report.unverifiable:
+            console.print(
+                "not verifiable (aggregates over tables without time_columns): "
+                + ", ".join(report.unverifiable)
+            )
+    if not report.ok:
+        raise typer.Exit(EXIT_MISMATCH)
 
 
 def register(app: typer.Typer) -> None:
