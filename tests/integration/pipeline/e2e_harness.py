@@ -44,9 +44,10 @@ class PipelineRun:
     def table(self, name: str) -> str:
         return f"{self.schema}.{name}"
 
-    def start(self, name: str) -> None:
-        """Start ``router`` or a region's worker; returns once it reports ready."""
-        args = ["--role", "router"] if name == "router" else ["--region", name]
+    def start(self, name: str, region: str | None = None) -> None:
+        """Start ``router`` or a region's worker (``name``, or another worker of
+        ``region`` called ``name``); returns once it reports ready."""
+        args = ["--role", "router"] if name == "router" else ["--region", region or name]
         log = self.logs / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as out:
