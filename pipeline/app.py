@@ -30,6 +30,7 @@ from pipeline.faustcompat import (
     patch_fetch_wait,
     relieve_producer,
     use_state_codec,
+    wait_delivered,
 )
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
@@ -247,10 +248,11 @@ class _FaustChangelog:
 
     def __init__(self, app: faust.App, table: Any) -> None:
         self.app, self.table = app, table
+        self.sent: list[Any] = []  # this checkpoint's records, until the broker has them
 
     def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
         # The records go to the partition its entity's messages use.
-        store_state(PartitionWriter(self.table, delivery.partition), key, state)
+        store_state(PartitionWriter(self.table, delivery.partition, self.sent), key, state)
 
     async def relieve(self) -> None:
         await relieve_producer(self.app)
@@ -261,12 +263,12 @@ class _FaustChangelog:
         # its last record batch, and Faust's recovery reads only up to that end:
         # anything after the first record of a final batch would be lost on
         # restart. Harmless on Kafka.
-        await self.app.producer.flush()
+        await wait_delivered(self.app, self.sent)
         for partition in partitions:
-            PartitionWriter(self.table, partition)[checkpoint_key(partition)] = {
+            PartitionWriter(self.table, partition, self.sent)[checkpoint_key(partition)] = {
                 "at_ms": int(time.time() * 1000)
             }
-        await self.app.producer.flush()
+        await wait_delivered(self.app, self.sent)
 
 
 class _FaustDeadLetters:

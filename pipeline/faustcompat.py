@@ -21,6 +21,7 @@ __all__ = [
     "register_state_codec",
     "relieve_producer",
     "use_state_codec",
+    "wait_delivered",
 ]
 
 STATE_CODEC = "edgefeed-json"
@@ -102,6 +103,21 @@ async def relieve_producer(app: faust.App, above: int = 50) -> None:
         await buffer.flush_atmost(buffer.size)
 
 
+async def wait_delivered(app: faust.App, sent: list[Any]) -> None:
+    """Return once every record in ``sent`` is acknowledged by the broker.
+
+    ``Producer.flush`` is not enough in Faust 0.15.3: it drains the producer's
+    buffer with ``ProducerBuffer.flush_atmost``, which returns as soon as no record
+    left the buffer for 0.1 s, with records still queued under load. A checkpoint
+    that trusted it acked messages whose changelog records were never written, and
+    a worker killed then lost those updates (found by scripts/fault_suite.py).
+    """
+    await app.producer.flush()
+    for future in sent:
+        await future
+    sent.clear()
+
+
 class PartitionWriter(MutableMapping[str, Any]):
     """A table as seen by a checkpoint writing one changelog partition.
 
@@ -112,20 +128,26 @@ class PartitionWriter(MutableMapping[str, Any]):
     ``send_changelog``.
     """
 
-    def __init__(self, table: Any, partition: int) -> None:
+    def __init__(self, table: Any, partition: int, sent: list[Any] | None = None) -> None:
         self.table = table
         self.partition = partition
+        # The records' futures, resolved once the broker acknowledged each one: Faust's
+        # own producer flush may return with records still queued (see
+        # wait_delivered), so a checkpoint waits for these.
+        self.sent = sent if sent is not None else []
 
     def __getitem__(self, key: str) -> Any:
         return self.table.data[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.table.data[key] = value
-        self.table.send_changelog(self.partition, key, value)
+        self.sent.append(self.table.send_changelog(self.partition, key, value))
 
     def __delitem__(self, key: str) -> None:
         del self.table.data[key]
-        self.table.send_changelog(self.partition, key, None, value_serializer="raw")
+        self.sent.append(
+            self.table.send_changelog(self.partition, key, None, value_serializer="raw")
+        )
 
     def __contains__(self, key: object) -> bool:
         return key in self.table.data

@@ -36,6 +36,14 @@ _FOREVER = (-(1 << 62), 1 << 62)
 EXACT_SCALE = 1 << 1074  # every finite double is an integer multiple of 2**-1074
 
 
+def pk_rank(pk: str) -> tuple[int, str]:
+    """The order of row keys among rows of the same event time and source position
+    (rows of one multi-row insert share a WAL position): numeric keys in numeric
+    order, then other keys as text. Keeps "newest" rankings a function of the rows,
+    as a recomputation from the source tables (which orders by key) sees them."""
+    return (len(pk), pk) if pk.isdigit() else (1 << 30, pk)
+
+
 def exact(value: float) -> int:
     """``value`` as an exact integer multiple of 2**-1074."""
     numerator, denominator = value.as_integer_ratio()
@@ -88,11 +96,11 @@ class _Group:
         self.present = dict.fromkeys(spec.sums, 0)
         self.values: dict[str, list[float]] = {c: [] for c in spec.sorted}
         self.counters: dict[str, Counter[Any]] = {c: Counter() for c in spec.distinct}
-        self.stamps: dict[str, dict[Any, list[tuple[int, int, int]]]] = {
+        self.stamps: dict[str, dict[Any, list[tuple[int, int, int, tuple[int, str]]]]] = {
             c: {} for c in spec.stamped
         }
 
-    def update(self, entry: list[Any], sign: int) -> None:
+    def update(self, entry: list[Any], sign: int, pk: str) -> None:
         """Add (sign 1) or retract (sign -1) one live row."""
         values: Mapping[str, Any] = entry[_VALS]
         for column, wanted in self.spec.where:
@@ -122,7 +130,7 @@ class _Group:
         for column in self.spec.stamped:
             value = values.get(column)
             if value is not None:
-                stamp = (entry[_T], entry[_LSN], entry[_SEQ])
+                stamp = (entry[_T], entry[_LSN], entry[_SEQ], pk_rank(pk))
                 stamps = self.stamps[column].setdefault(value, [])
                 if sign > 0:
                     insort(stamps, stamp)
@@ -140,10 +148,10 @@ class _Window:
         self.low, self.high = spec.interval(None)
         self.groups = {where: _Group(group) for where, group in spec.groups.items()}
 
-    def update(self, entry: list[Any], sign: int) -> None:
+    def update(self, entry: list[Any], sign: int, pk: str) -> None:
         if self.low <= entry[_T] < self.high:
             for group in self.groups.values():
-                group.update(entry, sign)
+                group.update(entry, sign, pk)
 
 
 class TableIndex:
@@ -161,23 +169,24 @@ class TableIndex:
         self.ref: int | None = max((e[_T] for e in rows.values()), default=None)
         for window in self.windows.values():
             window.low, window.high = window.spec.interval(self.ref)
-        self.order: list[tuple[int, int, int, str]] = sorted(
-            (e[_T], e[_LSN], e[_SEQ], pk) for pk, e in rows.items() if not e[_DEL]
+        # (event time, lsn, seq, key rank, key): time order, ties by position, then key.
+        self.order: list[tuple[int, int, int, tuple[int, str], str]] = sorted(
+            (e[_T], e[_LSN], e[_SEQ], pk_rank(pk), pk) for pk, e in rows.items() if not e[_DEL]
         )
         for key in self.order:
-            entry = rows[key[3]]
+            entry = rows[key[4]]
             for window in self.windows.values():
-                window.update(entry, 1)
+                window.update(entry, 1, key[4])
 
     def replace(
         self, pk: str, old: list[Any] | None, new: list[Any], rows: Mapping[str, list[Any]]
     ) -> None:
         """Row ``pk`` changed from ``old`` to ``new`` (already in ``rows``)."""
         if old is not None and not old[_DEL]:
-            key = (old[_T], old[_LSN], old[_SEQ], pk)
+            key = (old[_T], old[_LSN], old[_SEQ], pk_rank(pk), pk)
             del self.order[bisect_left(self.order, key)]
             for window in self.windows.values():
-                window.update(old, -1)
+                window.update(old, -1, pk)
         t = new[_T]
         if self.ref is None or t > self.ref:
             self._move(t, rows)
@@ -185,16 +194,16 @@ class TableIndex:
             # The newest row moved back in time: the window end is the next newest.
             self._move(max(e[_T] for e in rows.values()), rows)
         if not new[_DEL]:
-            insort(self.order, (t, new[_LSN], new[_SEQ], pk))
+            insort(self.order, (t, new[_LSN], new[_SEQ], pk_rank(pk), pk))
             for window in self.windows.values():
-                window.update(new, 1)
+                window.update(new, 1, pk)
 
     def forget(self, rows: Mapping[str, list[Any]]) -> None:
         """Rows outside every window left ``rows`` (pruned): drop them from the order."""
         self.order = [
             key
             for key in self.order
-            if (entry := rows.get(key[3])) is not None and entry[_T] == key[0]
+            if (entry := rows.get(key[4])) is not None and entry[_T] == key[0]
         ]
 
     def _move(self, ref: int, rows: Mapping[str, list[Any]]) -> None:
@@ -223,9 +232,9 @@ class TableIndex:
         first = bisect_left(self.order, (start,))
         last = bisect_left(self.order, (end,))
         for key in self.order[first:last]:
-            entry = rows[key[3]]
+            entry = rows[key[4]]
             for group in window.groups.values():
-                group.update(entry, sign)
+                group.update(entry, sign, key[4])
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -246,7 +255,7 @@ class TableIndex:
         index = bisect_left(self.order, (span.high,)) - 1
         picked: list[Any] = []
         while index >= first and len(picked) < n:
-            values = rows[self.order[index][3]][_VALS]
+            values = rows[self.order[index][4]][_VALS]
             index -= 1
             if any(values.get(k) != v for k, v in where):
                 continue
@@ -257,13 +266,9 @@ class TableIndex:
 
 
 def top_values(group: _Group, column: str, n: int) -> list[Any]:
-    """Most frequent first; ties: most recent (newest row), then smallest value as text."""
+    """Most frequent first; ties: the value whose newest row is newest (event time,
+    source position, then row key: never equal for two values)."""
     counts = group.counters[column]
     stamps = group.stamps[column]
-    values = list(counts)
-    ranked = []
-    for i, value in enumerate(values):
-        t, lsn, seq = stamps[value][-1]
-        ranked.append((-counts[value], -t, -lsn, -seq, str(value), i))
-    ranked.sort()
-    return [values[entry[-1]] for entry in ranked[:n]]
+    ranked = sorted(counts, key=lambda value: (counts[value], stamps[value][-1]), reverse=True)
+    return ranked[:n]

@@ -16,6 +16,7 @@ import pytest
 
 from pipeline.features import EntityEngine, EntityState
 from pipeline.settings import AggregateFeature, EntitySettings
+from pipeline.windows import pk_rank
 
 _LSN, _SEQ, _T, _DEL, _VALS = range(5)
 T0 = 1_764_000_000_000
@@ -120,6 +121,7 @@ def oracle(engine: EntityEngine, state: dict[str, Any]) -> dict[str, Any]:
     for agg in engine.settings.aggregates:
         rows = state["rows"].get(agg.table, {})
         ref = max((e[_T] for e in rows.values()), default=None)
+        keyed = {id(e): pk_rank(pk) for pk, e in rows.items()}
         entries = _in_window([e for e in rows.values() if not e[_DEL]], agg, ref)
         entries = [e for e in entries if all(e[_VALS].get(k) == v for k, v in agg.where.items())]
         column = agg.column or ""
@@ -138,18 +140,24 @@ def oracle(engine: EntityEngine, state: dict[str, Any]) -> dict[str, Any]:
         elif agg.agg == "distinct_count":
             values[agg.name] = len(set(numbers))
         elif agg.agg == "last_n":
-            ordered = sorted(present, key=lambda e: (e[_T], e[_LSN], e[_SEQ]), reverse=True)
+            ordered = sorted(
+                present, key=lambda e: (e[_T], e[_LSN], e[_SEQ], keyed[id(e)]), reverse=True
+            )
             picked = [e[_VALS][column] for e in ordered[: len(names)]]
             values.update(zip(names, picked + [None] * (len(names) - len(picked)), strict=True))
         else:
             counts = Counter(numbers)
             newest = {
-                v: max((e[_T], e[_LSN], e[_SEQ]) for e in present if e[_VALS][column] == v)
+                v: max(
+                    (e[_T], e[_LSN], e[_SEQ], keyed[id(e)])
+                    for e in present
+                    if e[_VALS][column] == v
+                )
                 for v in counts
             }
-            ranked = sorted(
-                counts, key=lambda v: (-counts[v], tuple(-x for x in newest[v]), str(v))
-            )[: len(names)]
+            ranked = sorted(counts, key=lambda v: (counts[v], newest[v]), reverse=True)[
+                : len(names)
+            ]
             values.update(zip(names, ranked + [None] * (len(names) - len(ranked)), strict=True))
     return values
 

@@ -1,0 +1,423 @@
+"""The fault suite: the whole pipeline on the real local stack, under load, through
+the faults an operator's worst day brings, each followed by a check of every vector
+in every region against a recomputation from PostgreSQL (``edgefeed pipeline verify``).
+
+    .venv/bin/python scripts/fault_suite.py            # every fault (make faults), ~8 min
+    .venv/bin/python scripts/fault_suite.py --short    # four faults, ~3 min (a CI test runs it)
+
+For each fault: load runs (``--rate`` changes/s through the demo shop), the fault
+is injected in the middle of it, the load stops, and the suite waits until a probe
+change written after the fault is in every region's cache ("recovered in s", from
+the fault) and until the caches equal the recomputation. Then it reports, from
+the differences it still finds: lost (a count or sum below the recomputation, or a
+vector missing), double-counted (above it), leaked (a vector where residency says it
+must not be), and the dead letters the fault produced. Exit 0 when no fault lost,
+double-counted or leaked anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE)]
+
+import psycopg  # noqa: E402
+import redis  # noqa: E402
+import yaml  # noqa: E402
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa: E402
+
+from connectors import deploy  # noqa: E402
+from connectors.client import ConnectClient  # noqa: E402
+from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.devstack.process import read_pid  # noqa: E402
+from edgefeed.settings import EdgefeedSettings, settings_from_mapping  # noqa: E402
+from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
+from edgefeed.verify import verify  # noqa: E402
+from pipeline.recompute import Mismatch  # noqa: E402
+from pipeline.topics import ensure_topics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
+REGIONS = (("eu-west", "eu"), ("us-east", "us"), ("ap-southeast", "apac"))
+COUNTS = ("views_30m", "clicks_30m", "carts_1h", "purchases_today", "views_1h", "purchases_1h")
+
+
+def free_port() -> int:
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def make_settings() -> dict[str, Any]:
+    """The example settings (three regions) on free loopback ports."""
+    example = yaml.safe_load((ROOT / "examples" / "edgefeed.yaml").read_text())
+    regions = []
+    for region in example["regions"]:
+        regions.append({**region, "redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    return {
+        "kafka": {
+            "bootstrap_servers": f"127.0.0.1:{free_port()}",
+            "session_timeout_ms": 6000,
+            "fetch_max_wait_ms": 20,
+        },
+        "connect": {"url": f"http://127.0.0.1:{free_port()}", "timeout_s": 30},
+        "database": {
+            "host": "127.0.0.1",
+            "port": free_port(),
+            "dbname": "edgefeed",
+            "user": "postgres",
+            "password": "faults-secret",
+        },
+        "regions": regions,
+        "sources": [{**example["sources"][0], "snapshot_mode": "no_data"}],
+        "entities": example["entities"],
+        "pipeline": {**example["pipeline"], "partitions": 2},
+    }
+
+
+# -- load that survives a database restart ------------------------------------------------------
+
+
+class Load:
+    """The demo shop's load at ``rate`` changes/s, in a thread, reconnecting after a
+    PostgreSQL restart (a transaction that failed is simply not counted)."""
+
+    def __init__(self, settings: EdgefeedSettings, rate: float) -> None:
+        self.shop = ShopLoad(settings.database.dsn(), settings.region_names, users=200, items=50)
+        self.rate = rate
+        self.stop = threading.Event()
+        self.written = 0
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.stop.clear()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+
+    def _run(self) -> None:
+        tick = 0.1
+        conn: psycopg.Connection[Any] | None = None
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                if conn is None:
+                    conn = psycopg.connect(self.shop.dsn, autocommit=True, connect_timeout=3)
+                self.shop.write(conn, max(1, int(self.rate * tick)))
+                self.written += max(1, int(self.rate * tick))
+            except psycopg.Error:
+                if conn is not None:
+                    conn.close()
+                conn = None
+                time.sleep(0.5)
+            time.sleep(max(0.0, tick - (time.monotonic() - started)))
+        if conn is not None:
+            conn.close()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    fault: str
+    recovered_s: float | None
+    lost: int
+    double_counted: int
+    leaked: int
+    wrong: int
+    dead_lettered: int
+    examples: list[str]
+
+
+class Suite:
+    def __init__(self, state: Path, rate: float, load_s: float) -> None:
+        self.mapping = make_settings()
+        self.settings = settings_from_mapping(self.mapping)
+        self.settings_file = state / "edgefeed.yaml"
+        self.settings_file.write_text(yaml.safe_dump(self.mapping))
+        self.stack = DevStack(self.settings, state)
+        self.load = Load(self.settings, rate)
+        self.load_s = load_s
+        self.probe = 0
+
+    # -- set-up
+
+    def up(self) -> None:
+        self.stack.up()
+        apply_schema(self.settings.database.dsn())
+        with ConnectClient(self.settings.connect.url, timeout_s=30) as client:
+            deploy.apply(client, self.settings.database, self.settings.sources, wait_s=120)
+        names = self.settings.pipeline.names
+        topics = {names.region_topic(r): self.settings.pipeline.partitions for r in self.regions}
+        topics[names.dead_letter_topic] = 1
+        asyncio.run(ensure_topics(self.settings.kafka.bootstrap_servers, topics))
+        for app in ("router", *self.regions):
+            self.start_app(app)
+        self.load.shop.seed_rows()
+
+    @property
+    def regions(self) -> list[str]:
+        return self.settings.region_names
+
+    def start_app(self, name: str) -> None:
+        args = ["--role", "router"] if name == "router" else ["--region", name]
+        argv = [EDGEFEED, "--settings", str(self.settings_file), "pipeline", "run", *args]
+        self.stack.start_app(name, argv, ready="Worker]: Ready", timeout_s=180)
+
+    def kill9(self, service: str, app: bool) -> None:
+        name = f"{self.stack._APP_PREFIX}{service}" if app else service
+        record = read_pid(self.stack.pid_path(name))
+        if record is not None and record.alive():
+            os.kill(record.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while record.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    # -- measuring
+
+    def dead_letters(self) -> int:
+        async def count() -> int:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka.bootstrap_servers)
+            await consumer.start()
+            try:
+                tp = TopicPartition(self.settings.pipeline.dead_letter_topic, 0)
+                return int((await consumer.end_offsets([tp]))[tp])
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(count())
+
+    def write_probe(self) -> int:
+        """A new user per region with one event: visible once the region recovered."""
+        self.probe += 1
+        base = 900_000 + self.probe * 10
+        with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
+            for i, region in enumerate(self.regions):
+                conn.execute(
+                    "INSERT INTO public.users (user_id, home_region, country, segment, email) "
+                    "VALUES (%s, %s, 'XX', 1, 'probe@example.org')",
+                    (base + i, region),
+                )
+        return base
+
+    def probe_visible(self, base: int) -> bool:
+        for i, region in enumerate(self.regions):
+            url = self.settings.region(region).redis_url
+            try:
+                with redis.Redis.from_url(url, socket_timeout=1) as client:
+                    if not client.exists(f"ef:{{user:{base + i}}}"):
+                        return False
+            except redis.RedisError:
+                return False
+        return True
+
+    def settle(self, deadline_s: float) -> tuple[float | None, list[Mismatch]]:
+        """Wait for a probe written after the fault in every region, then for the caches
+        to equal the recomputation; returns (when the probe was seen, differences left)."""
+        started = time.monotonic()
+        base = self.write_probe()
+        recovered: float | None = None
+        while time.monotonic() - started < deadline_s:
+            if self.probe_visible(base):
+                recovered = time.monotonic()
+                break
+            time.sleep(0.2)
+        mismatches: list[Mismatch] = []
+        while time.monotonic() - started < deadline_s:
+            try:
+                mismatches = verify(self.settings).mismatches
+            except Exception as exc:  # a region still down: try again
+                mismatches = [Mismatch("?", "?", "?", f"verify failed: {exc}")]
+            if not mismatches:
+                break
+            time.sleep(1.0)
+        return recovered, mismatches
+
+    def run_fault(self, name: str, inject: Callable[[], None], deadline_s: float) -> Outcome:
+        dead_before = self.dead_letters()
+        self.load.start()
+        time.sleep(self.load_s / 2)
+        fault_at = time.monotonic()
+        inject()
+        time.sleep(max(0.0, self.load_s / 2 - (time.monotonic() - fault_at)))
+        self.load.finish()
+        probe_at, mismatches = self.settle(deadline_s)
+        recovered = None if probe_at is None else round(probe_at - fault_at, 1)
+        lost = double = leaked = wrong = 0
+        for m in mismatches:
+            if m.what == "missing":
+                lost += 1
+            elif m.what == "unexpected":
+                leaked += 1
+            elif m.what in COUNTS and isinstance(m.expected, int | float):
+                if (m.found or 0) < m.expected:
+                    lost += 1
+                else:
+                    double += 1
+            else:
+                wrong += 1
+        examples = [
+            f"{m.region} {m.entity}:{m.entity_id} {m.what}: expected {m.expected!r}, "
+            f"found {m.found!r}"
+            for m in mismatches[:5]
+        ]
+        return Outcome(
+            name, recovered, lost, double, leaked, wrong, self.dead_letters() - dead_before,
+            examples,
+        )  # fmt: skip
+
+    # -- the faults
+
+    def faults(self, short: bool) -> list[tuple[str, Callable[[], None]]]:
+        def restart_app(name: str) -> Callable[[], None]:
+            def inject() -> None:
+                self.kill9(name, app=True)
+                self.start_app(name)
+
+            return inject
+
+        def restart_service(name: str) -> Callable[[], None]:
+            def inject() -> None:
+                self.kill9(name, app=False)
+                self.stack.up()
+
+            return inject
+
+        def pause_redis() -> None:
+            url = self.settings.region("eu-west").redis_url
+            with redis.Redis.from_url(url) as client:
+                client.execute_command("CLIENT", "PAUSE", 6000, "ALL")
+
+        def poison() -> None:
+            asyncio.run(self.send_poison())
+
+        chosen = [
+            ("kill -9 router", restart_app("router")),
+            ("kill -9 worker eu-west", restart_app("eu-west")),
+            ("pause Redis eu-west 6 s", pause_redis),
+            ("hostile Debezium events", poison),
+        ]
+        if not short:
+            chosen += [
+                ("kill -9 worker us-east", restart_app("us-east")),
+                ("kill -9 worker ap-southeast", restart_app("ap-southeast")),
+                ("kill -9 Redis us-east (data lost)", restart_service("redis-us-east")),
+                ("kill -9 Kafka Connect", restart_service("connect")),
+                ("kill -9 PostgreSQL", restart_service("postgres")),
+            ]
+        return chosen
+
+    async def send_poison(self) -> None:
+        topic = self.settings.sources[0].topic_for("public.users")
+        events = self.settings.sources[0].topic_for("public.events")
+        source = {"ts_ms": int(time.time() * 1000), "schema": "public", "lsn": 1}
+        user = {"user_id": 999_001, "home_region": "eu-west", "country": "DE", "segment": 1}
+        corpus: list[tuple[str, Any]] = [
+            (topic, b"{not json"),
+            (topic, {"op": "c", "after": {**user, "segment": 2**40}}),
+            (topic, {"op": "c", "after": {**user, "user_id": 1.5}}),
+            (topic, {"op": "c", "after": {**user, "home_region": "mars"}}),
+            (topic, {"op": "d", "before": {"user_id": 999_002, "home_region": ""}}),
+            (
+                events,
+                {
+                    "op": "c",
+                    "after": {
+                        "event_id": 1,
+                        "user_id": 1,
+                        "item_id": 1,
+                        "category_id": 1,
+                        "price": "1e39",
+                        "home_region": "eu-west",
+                        "kind": "v" * 600_000,
+                        "occurred_at": 1e300,
+                    },
+                },
+            ),
+        ]
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.settings.kafka.bootstrap_servers, max_request_size=2**22
+        )
+        await producer.start()
+        try:
+            for name, body in corpus:
+                table = "events" if name == events else "users"
+                value = (
+                    body
+                    if isinstance(body, bytes)
+                    else json.dumps({**body, "source": {**source, "table": table}}).encode()
+                )
+                await producer.send_and_wait(name, value)
+        finally:
+            await producer.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help="four faults (the CI variant)")
+    parser.add_argument("--rate", type=float, default=200.0, help="changes per second")
+    parser.add_argument("--load-s", type=float, default=8.0, help="seconds of load per fault")
+    parser.add_argument("--deadline-s", type=float, default=120.0, help="recovery deadline")
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    args = parser.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="edgefeed-faults-"))
+    state.chmod(0o755)
+    suite = Suite(state, args.rate, args.load_s)
+    outcomes: list[Outcome] = []
+    try:
+        suite.up()
+        for name, inject in suite.faults(args.short):
+            if not args.json:
+                print(f"fault: {name} ...", flush=True)
+            outcomes.append(suite.run_fault(name, inject, args.deadline_s))
+    finally:
+        suite.load.finish()
+        suite.stack.down()
+        if not os.environ.get("EDGEFEED_FAULTS_KEEP"):
+            shutil.rmtree(state, ignore_errors=True)
+    if args.json:
+        print(json.dumps([asdict(o) for o in outcomes], indent=2))
+    else:
+        header = ("fault", "recovered in s", "lost", "double-counted", "leaked", "wrong",
+                  "dead-lettered")  # fmt: skip
+        rows = [
+            (o.fault, "not recovered" if o.recovered_s is None else f"{o.recovered_s:.1f}",
+             str(o.lost), str(o.double_counted), str(o.leaked), str(o.wrong),
+             str(o.dead_lettered))
+            for o in outcomes
+        ]  # fmt: skip
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    bad = [o for o in outcomes if o.recovered_s is None or o.lost or o.double_counted or o.leaked]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
