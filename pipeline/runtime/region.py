@@ -44,7 +44,7 @@ __all__ = ["Acker", "CacheSink", "ChangelogSink", "DeadLetterSink", "RegionRunti
 log = logging.getLogger("edgefeed.pipeline")
 
 CHECKPOINT_SLICE = 16  # entity states written between yields to the event loop
-RETRY_FIRST_S, RETRY_MAX_S = 0.1, 5.0  # backoff while the cache is unavailable
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # backoff while the cache is unavailable
 INTACT_CHECK_S = 5.0  # how often the worker checks that its cache kept its data
 REFILL_SLICE = 500  # vectors per write when refilling a cache that lost its data
 
