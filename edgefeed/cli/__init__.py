@@ -86,10 +86,10 @@ def _commands_of(module: str) -> dict[str, Command]:
 
 
 class LazyGroup(TyperGroup):
-    """The root group: resolves a command by importing its module then, not before.
+    """The root group: imports a command's module when the command is resolved.
 
     Listing the commands for ``--help`` uses the one-line texts in :data:`COMMANDS`
-    instead of importing every module (what click's own lazy group would do).
+    (click's documented lazy group imports every module to read their help).
     """
 
     #: False makes ``--help`` import the modules and read their texts (the unit test's

@@ -7,6 +7,7 @@ interpreter, then reads ``sys.modules``: a module imported once stays there.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import edgefeed.cli
@@ -99,6 +101,16 @@ def test_root_help_lists_every_command_with_its_own_help(monkeypatch: pytest.Mon
     assert lazy.output == loaded.output
     for name in edgefeed.cli.COMMANDS:
         assert f" {name} " in lazy.output
+
+
+def test_every_registered_command_is_listed() -> None:
+    # A command a module registers but COMMANDS does not name could not be invoked.
+    registered: set[str] = set()
+    for module in {lazy.module for lazy in edgefeed.cli.COMMANDS.values()}:
+        holder = typer.Typer()
+        importlib.import_module(module).register(holder)
+        registered |= set(typer.main.get_group(holder).commands)
+    assert registered == set(edgefeed.cli.COMMANDS)
 
 
 def test_unknown_command_is_a_usage_error() -> None:
