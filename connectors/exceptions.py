@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgefeed.errors import EdgefeedError
+from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
     "ConnectRequestError",

@@ -8,7 +8,7 @@ succeed later without any change.
 
 from __future__ import annotations
 
-from edgefeed.errors import EdgefeedError
+from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
     "ConfigError",

@@ -1,7 +1,8 @@
 """edgefeed: the composition root (CLI, settings loading, local stack).
 
-Kept import-light on purpose: domain packages import :mod:`edgefeed.errors`,
-which must not pull in the CLI, pydantic models or the local stack.
+Kept import-light on purpose: ``edgefeed --help`` imports this package, and
+the domain packages import nothing of it (their root error lives in
+:mod:`edgefeed_base`).
 """
 
 from __future__ import annotations

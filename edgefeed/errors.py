@@ -1,23 +1,12 @@
-"""The root of every edgefeed exception.
+"""The root of every edgefeed exception, as the composition root names it.
 
-This module imports nothing from edgefeed, so the domain packages (connectors,
-pipeline, edge_cache, preprocess, workers) may import it without depending on
-the composition root. It is the one exception to "domain packages do not import
-edgefeed/".
+The class lives in :mod:`edgefeed_base.errors` (the bottom layer, which the domain
+packages import); this is the same class, so ``except edgefeed.errors.EdgefeedError``
+catches every package's errors.
 """
 
 from __future__ import annotations
 
+from edgefeed_base.errors import EdgefeedError
+
 __all__ = ["EdgefeedError"]
-
-
-class EdgefeedError(Exception):
-    """Base class of every error edgefeed raises on purpose.
-
-    Attributes:
-        retryable: True when the same call may succeed later without any change
-            (a service still starting, a rebalance in progress); False when the
-            input or the environment must be fixed first.
-    """
-
-    retryable: bool = False

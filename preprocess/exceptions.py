@@ -12,7 +12,7 @@ across the process pool of :func:`preprocess.preprocess_batch`.
 
 from __future__ import annotations
 
-from edgefeed.errors import EdgefeedError
+from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
     "CorruptInputError",

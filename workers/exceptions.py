@@ -8,7 +8,7 @@ is the status the inference server answers with.
 
 from __future__ import annotations
 
-from edgefeed.errors import EdgefeedError
+from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
     "BadRequestError",

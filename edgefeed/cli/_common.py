@@ -6,14 +6,16 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from edgefeed.errors import EdgefeedError
-from edgefeed.settings import EdgefeedSettings, load_settings
+
+if TYPE_CHECKING:
+    from edgefeed.settings import EdgefeedSettings
 
 __all__ = [
     "EXIT_ERROR",
@@ -43,6 +45,8 @@ def settings_path_of(ctx: typer.Context) -> Path | None:
 
 def settings_of(ctx: typer.Context) -> EdgefeedSettings:
     """Load the settings named by ``--settings`` (or the defaults), reporting errors cleanly."""
+    from edgefeed.settings import load_settings  # imports every domain's settings
+
     return run_reported(lambda: load_settings(settings_path_of(ctx)))
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
 import typer
 from rich.table import Table
 
 from edgefeed.cli._common import console, run_reported, settings_of
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["register"]
 
@@ -20,6 +22,8 @@ cache_app = typer.Typer(
 
 
 def _time(value: np.datetime64) -> str | None:
+    import numpy as np
+
     if np.isnat(value):
         return None
     return f"{np.datetime_as_string(value, unit='us')}Z"

@@ -8,15 +8,17 @@ config rejected by Connect), 3 ``plan``: changes pending / ``status``: not all r
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from connectors import deploy
-from connectors.client import ConnectClient
 from edgefeed.cli._common import console, run_reported, settings_of
-from edgefeed.settings import EdgefeedSettings
+
+if TYPE_CHECKING:
+    from connectors import deploy
+    from connectors.client import ConnectClient
+    from edgefeed.settings import EdgefeedSettings
 
 __all__ = ["register"]
 
@@ -33,6 +35,8 @@ NameArg = Annotated[
 
 
 def _client(settings: EdgefeedSettings) -> ConnectClient:
+    from connectors.client import ConnectClient
+
     return ConnectClient(
         settings.connect.url,
         timeout_s=settings.connect.timeout_s,
@@ -76,6 +80,8 @@ def _print_changes(changes: list[deploy.ConnectorChange], as_json: bool, applied
 @connectors_app.command("plan")
 def plan_cmd(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Show what `apply` would change (secrets masked); exits 3 when changes are pending."""
+    from connectors import deploy
+
     settings = settings_of(ctx)
     with _client(settings) as client:
         changes = run_reported(lambda: deploy.plan(client, settings.database, settings.sources))
@@ -94,6 +100,8 @@ def apply_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Validate every connector, then create or update them all (or none)."""
+    from connectors import deploy
+
     settings = settings_of(ctx)
     with _client(settings) as client:
         changes = run_reported(

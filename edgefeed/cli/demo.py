@@ -8,21 +8,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
 import typer
 from rich.table import Table
 
-from connectors import deploy
-from connectors.client import ConnectClient
 from edgefeed.cli._common import EXIT_ERROR, console, run_reported, settings_of
 from edgefeed.cli.dev import print_status
 from edgefeed.cli.workers import print_bench
-from edgefeed.devstack import DevStack
-from edgefeed.lookup import feature_client
-from edgefeed.settings import EdgefeedSettings
-from edgefeed.shopload import LoadProgress, ShopLoad, apply_schema
+
+if TYPE_CHECKING:
+    from edgefeed.settings import EdgefeedSettings
+    from edgefeed.shopload import LoadProgress, ShopLoad
 
 __all__ = ["register"]
 
@@ -59,6 +56,8 @@ def _progress_printer() -> Any:
 def _load(
     settings: EdgefeedSettings, rate: float, duration: float, users: int, items: int
 ) -> LoadProgress:
+    from edgefeed.shopload import ShopLoad
+
     load = ShopLoad(settings.database.dsn(), settings.region_names, users=users, items=items)
     load.seed_rows()
     result = load.run(rate, duration, on_progress=_progress_printer())
@@ -76,6 +75,8 @@ def load_cmd(
     items: Annotated[int, typer.Option(help="Number of items.")] = 100,
 ) -> None:
     """Write demo shop traffic (events, price and segment updates) into PostgreSQL."""
+    from edgefeed.shopload import apply_schema
+
     settings = settings_of(ctx)
     apply_schema(settings.database.dsn())
     result = _load(settings, rate, duration, users, items)
@@ -85,6 +86,8 @@ def load_cmd(
 
 
 def _sample_table(settings: EdgefeedSettings, load: ShopLoad) -> Table:
+    from edgefeed.lookup import feature_client
+
     table = Table(title="feature vectors in each region's cache")
     table.add_column("entity")
     table.add_column("home")
@@ -121,6 +124,10 @@ def _fmt(value: Any) -> str:
 
 
 def _freshness_table(settings: EdgefeedSettings, users: int, items: int) -> Table:
+    import numpy as np
+
+    from edgefeed.lookup import feature_client
+
     table = Table(title="freshness: source commit -> Redis write, per vector")
     for column in ("region", "vectors", "p50 ms", "p99 ms", "newest commit, s ago"):
         table.add_column(column)
@@ -164,6 +171,11 @@ def run(
     items: Annotated[int, typer.Option(help="Demo items.")] = 100,
 ) -> None:
     """Run the data path end to end on the local stack and show what each region holds."""
+    from connectors import deploy
+    from connectors.client import ConnectClient
+    from edgefeed.devstack import DevStack
+    from edgefeed.shopload import ShopLoad, apply_schema
+
     settings = settings_of(ctx)
     settings_path = ctx.find_root().obj.get("settings_path")
     stack = run_reported(lambda: DevStack(settings, state_dir))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from edgefeed.cli._common import EXIT_ERROR, console, run_reported, settings_of
-from edgefeed.devstack import DevStack, ServiceStatus
+
+if TYPE_CHECKING:
+    from edgefeed.devstack import DevStack, ServiceStatus
 
 __all__ = ["register"]
 
@@ -28,6 +30,8 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output.
 
 
 def _stack(ctx: typer.Context, state_dir: Path) -> DevStack:
+    from edgefeed.devstack import DevStack
+
     settings = settings_of(ctx)
     return run_reported(lambda: DevStack(settings, state_dir))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Group
@@ -20,8 +20,10 @@ from rich.table import Table
 from rich.text import Text
 
 from edgefeed.cli._common import console, run_reported, settings_of
-from edgefeed.settings import EdgefeedSettings
-from monitoring import Monitor, MonitorConfig, RegionTarget, Report, SourceTarget, serve
+
+if TYPE_CHECKING:
+    from edgefeed.settings import EdgefeedSettings
+    from monitoring import Monitor, MonitorConfig, Report
 
 __all__ = ["EXIT_CODES", "build_config", "register", "render"]
 
@@ -73,6 +75,8 @@ def build_config(
     sample_size: int = 20,
 ) -> MonitorConfig:
     """The monitor's view of the settings file."""
+    from monitoring import MonitorConfig, RegionTarget, SourceTarget
+
     secret = settings.database.secret()
     return MonitorConfig(
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
@@ -225,6 +229,8 @@ def register(app: typer.Typer) -> None:
         sample_size: SampleOpt = 20,
     ) -> None:
         """Consumer lag (messages, seconds, Burrow status), region freshness, slots, connectors."""
+        from monitoring import Monitor
+
         settings = settings_of(ctx)
         if samples < 1 or interval <= 0:
             raise typer.BadParameter("--samples must be >= 1 and --interval > 0")
@@ -264,6 +270,8 @@ def register(app: typer.Typer) -> None:
         sample_size: SampleOpt = 20,
     ) -> None:
         """Serve Prometheus metrics (kafka_exporter names plus edgefeed_*) on /metrics."""
+        from monitoring import Monitor, serve
+
         settings = settings_of(ctx)
         config = run_reported(
             lambda: build_config(

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from edgefeed.cli._common import EXIT_USAGE, console, err_console, run_reported, settings_of
-from edgefeed.pipeline_config import pipeline_config
 
 __all__ = ["register"]
 
@@ -31,6 +30,8 @@ def run(
     if (role is None) == (region is None) or (role is not None and role != "router"):
         err_console.print("error: give exactly one of --role router or --region NAME")
         raise typer.Exit(EXIT_USAGE)
+    from edgefeed.pipeline_config import pipeline_config  # imports the Faust app
+
     settings = settings_of(ctx)
     config = run_reported(lambda: pipeline_config(settings))
     if region is not None:
