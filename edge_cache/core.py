@@ -1,34 +1,53 @@
 """The lookup logic that needs no I/O, shared by the sync and async clients.
 
 :class:`LookupCore` validates a call, resolves feature names to positions once
-per feature list, picks the regions allowed to serve it (residency), assembles
-the result and keeps the metrics. The clients in :mod:`edge_cache.client` only
-move bytes.
+per feature list, picks the regions allowed to serve it (residency), runs the
+failover (breakers, near cache, schema registry reads), assembles the result
+and keeps the metrics. :meth:`LookupCore.lookup` is a generator that yields the
+reads it needs (:class:`Read`, :class:`ReadSchema`) and is sent their answers
+(or a :class:`Failure`): the clients in :mod:`edge_cache.client` only execute
+those steps, so the sync and async faces share one failover loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from edge_cache.exceptions import (
     ConfigError,
     InvalidValueError,
+    LookupTimeoutError,
     RegionUnavailableError,
     UnknownEntityError,
     UnknownFeatureError,
 )
 from edge_cache.layout import Decoded, KeyLayout, RecordReader
-from edge_cache.metrics import STATS
+from edge_cache.metrics import LookupStats
 from edge_cache.result import FeatureVectors, Projection, build_vectors
 from edge_cache.schema import FeatureSchema
 from edge_cache.settings import RegionSettings
 
-__all__ = ["LookupCore", "Plan"]
+if TYPE_CHECKING:
+    from edge_cache.breaker import CircuitBreaker
+    from edge_cache.nearcache import NearCache
+
+__all__ = [
+    "Failure",
+    "Lookup",
+    "LookupCore",
+    "LookupRun",
+    "Plan",
+    "Read",
+    "ReadSchema",
+    "Reply",
+    "Step",
+]
 
 _MAX_PROJECTIONS = 1024
 
@@ -40,6 +59,83 @@ class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a
     ids: tuple[Any, ...]
     keys: list[str]
     max_staleness_us: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """A step of a lookup: ``MGET keys`` from ``region``; answer: the values (None: absent).
+
+    Attributes:
+        region: Region to read from.
+        keys: Keys to read.
+        tracked: Read through a connection tracked into the near cache's invalidation
+            connection (the values will be cached in the process).
+    """
+
+    region: str
+    keys: list[str]
+    tracked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSchema:
+    """A step of a lookup: ``GET key`` (a schema registry document) from ``region``."""
+
+    region: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a face sends back when a step's read failed (timeout, connection).
+
+    Attributes:
+        metric: Reason label of ``edgefeed_lookup_region_failures_total``.
+        reason: The reason as the error names it (``timed out after 0.25 s``).
+    """
+
+    metric: str
+    reason: str
+
+
+Step = Read | ReadSchema
+#: What a face sends back for a step: MGET values, a schema document, or a Failure.
+Reply = list[bytes | None] | bytes | Failure | None
+#: The generator :meth:`LookupCore.lookup` returns: yields steps, is sent their answers.
+Lookup = Generator[Step, Reply, FeatureVectors]
+
+
+class LookupRun:
+    """Drives the generator of :meth:`LookupCore.lookup` for a face::
+
+        step = run.send(None)
+        while step is not None:
+            step = run.send(execute(step))   # or: await execute(step)
+        return run.result
+
+    Raises (from :meth:`send`): whatever the lookup raises (RegionUnavailableError...).
+    """
+
+    __slots__ = ("_result", "_steps")
+
+    def __init__(self, steps: Lookup) -> None:
+        self._steps = steps
+        self._result: FeatureVectors | None = None
+
+    def send(self, reply: Reply) -> Step | None:
+        """Answer the last step (None at first); the next step, or None when done."""
+        try:
+            return self._steps.send(reply)
+        except StopIteration as done:
+            self._result = done.value
+            return None
+
+    @property
+    def result(self) -> FeatureVectors:
+        """The call's result, once :meth:`send` returned None."""
+        if self._result is None:
+            raise RuntimeError("the lookup has not finished: send() has steps left")
+        return self._result
 
 
 def _seconds(value: float | timedelta | None, what: str) -> float | None:
@@ -65,6 +161,7 @@ class LookupCore:
         schemas: Schemas of the entity types this client reads.
         layout: Key layout; must match the writer's.
         max_staleness: Default staleness bound of a call that gives none.
+        stats: Where the metrics go (default: a private, unregistered :class:`LookupStats`).
     """
 
     def __init__(
@@ -75,7 +172,9 @@ class LookupCore:
         *,
         layout: KeyLayout | None = None,
         max_staleness: float | timedelta | None = None,
+        stats: LookupStats | None = None,
     ) -> None:
+        self.stats = stats if stats is not None else LookupStats()
         default = _seconds(max_staleness, "max_staleness")
         self.default_staleness_us = None if default is None else round(default * 1_000_000)
         self.regions: dict[str, RegionSettings] = {r.name: r for r in regions}
@@ -216,7 +315,7 @@ class LookupCore:
         found = len(result._rows)
         stale = int(result.stale.sum()) if plan.max_staleness_us is not None else 0
         home = self.home.name
-        STATS.lookup(
+        self.stats.lookup(
             home,
             entity,
             time.perf_counter() - started,
@@ -226,11 +325,11 @@ class LookupCore:
             result.near_hits,
         )
         if result.region != home:
-            STATS.fallback(home, result.region, entity)
+            self.stats.fallback(home, result.region, entity)
 
     def failed(self, region: str, reason: str) -> None:
         """Count a failed (or skipped) read from ``region``."""
-        STATS.failure(region, reason)
+        self.stats.failure(region, reason)
 
     def unavailable(
         self, plan: Plan, attempts: list[tuple[str, str]], refused: list[tuple[str, str]]
@@ -244,8 +343,105 @@ class LookupCore:
             else f"entity type {schema.entity!r}"
         )
         detail = "; ".join(f"{name}: {reason}" for name, reason in every)
-        return RegionUnavailableError(
+        timed_out = bool(attempts) and all(r.startswith("timed out") for _, r in attempts)
+        kind_of_error = LookupTimeoutError if timed_out else RegionUnavailableError
+        return kind_of_error(
             f"no region could serve {kind} for home region {self.home.name!r}: {detail}",
             self.home.name,
             every,
         )
+
+    def start(
+        self,
+        plan: Plan,
+        breakers: Mapping[str, CircuitBreaker],
+        near: NearCache | None,
+        started: float,
+    ) -> LookupRun:
+        """The state machine of one call: see :class:`LookupRun`."""
+        return LookupRun(self.lookup(plan, breakers, near, started))
+
+    def lookup(
+        self,
+        plan: Plan,
+        breakers: Mapping[str, CircuitBreaker],
+        near: NearCache | None,
+        started: float,
+    ) -> Lookup:
+        """The failover loop of one call, as a generator of I/O steps.
+
+        Yields :class:`Read` and :class:`ReadSchema` steps; the face executes each and
+        sends back its answer, or a :class:`Failure` when the region did not answer (the
+        region is then counted failed and the next allowed region is tried). Returns the
+        result (``StopIteration.value``).
+
+        Raises:
+            RegionUnavailableError: no region allowed to serve the call answered.
+            SchemaVersionError: a value's schema version cannot be read safely.
+        """
+        if not plan.ids:
+            return self.assemble(plan, self.home.name, plan.reader.decode([], []), 0)
+        home = self.home.name
+        if near is not None and near.active:
+            # everything in the near cache: no I/O, so no breaker either
+            cached, misses = near.lookup(plan.keys)
+            if not misses:
+                decoded = plan.reader.decode(cached, plan.ids)
+                if not decoded.needs:
+                    result = self.assemble(plan, home, decoded, len(plan.keys))
+                    self.record(plan, result, started)
+                    return result
+        allowed, refused = self.route(plan.schema)
+        attempts: list[tuple[str, str]] = []
+        for name in allowed:
+            breaker = breakers[name]
+            if not breaker.allow():
+                attempts.append((name, "skipped: circuit breaker open after recent failures"))
+                self.failed(name, "breaker_open")
+                continue
+            read = yield from self._read_region(
+                plan, name, near if name == home and near is not None and near.active else None
+            )
+            if isinstance(read, Failure):
+                breaker.failure()
+                self.failed(name, read.metric)
+                attempts.append((name, read.reason))
+                continue
+            breaker.success()
+            result = self.assemble(plan, name, read[0], read[1])
+            self.record(plan, result, started)
+            return result
+        raise self.unavailable(plan, attempts, refused)
+
+    def _read_region(
+        self, plan: Plan, name: str, near: NearCache | None
+    ) -> Generator[Step, Any, tuple[Decoded, int] | Failure]:
+        """Read and decode the call's values from one region (through the near cache)."""
+        if near is None:
+            raws = yield Read(name, plan.keys)
+            if isinstance(raws, Failure):
+                return raws
+            hits = 0
+        else:
+            raws, misses = near.lookup(plan.keys)
+            hits = len(plan.keys) - len(misses)
+            if misses:
+                missing = [plan.keys[i] for i in misses]
+                ticket = near.reserve(missing)
+                fetched = yield Read(name, missing, tracked=True)
+                if isinstance(fetched, Failure):
+                    return fetched
+                near.fill(missing, fetched, ticket)
+                for index, value in zip(misses, fetched, strict=True):
+                    raws[index] = value
+        decoded = plan.reader.decode(raws, plan.ids)
+        if decoded.needs:
+            for version, fingerprint in decoded.needs:
+                document = yield ReadSchema(
+                    name, self.layout.schema_key(plan.schema.entity, version)
+                )
+                if isinstance(document, Failure):
+                    return document
+                plan.reader.learn(version, fingerprint, document)
+            decoded = plan.reader.decode(raws, plan.ids)
+        return decoded, hits
