@@ -17,7 +17,8 @@ from edge_cache.exceptions import (
     UnknownEntityError,
     UnknownFeatureError,
 )
-from edge_cache.layout import KeyLayout, Position
+from edge_cache.freshness import FreshnessSnapshot, read_freshness
+from edge_cache.layout import FreshnessRecord, KeyLayout, Position
 from edge_cache.nearcache import NearCacheConfig
 from edge_cache.result import FeatureVectors
 from edge_cache.schema import Dtype, Feature, FeatureSchema
@@ -38,6 +39,8 @@ __all__ = [
     "FeatureSchema",
     "FeatureVectors",
     "FeatureWriter",
+    "FreshnessRecord",
+    "FreshnessSnapshot",
     "InvalidValueError",
     "KeyLayout",
     "LookupTimeoutError",
@@ -52,4 +55,5 @@ __all__ = [
     "UnknownFeatureError",
     "Upsert",
     "WriteOp",
+    "read_freshness",
 ]

@@ -29,6 +29,11 @@ Values (little-endian unless noted, packed, fixed size per schema version)::
 A tombstone is the 40-byte header alone with the tombstone flag: deleting an
 entity overwrites its vector with a position-stamped tombstone (with a TTL), so
 a late, older upsert cannot resurrect it.
+
+Freshness records
+    ``{namespace}:freshness:{entity}``, a HASH with the decimal fields
+    ``commit_us``, ``write_us`` and ``lsn`` of the newest vector the pipeline wrote
+    for the entity type (:class:`FreshnessRecord`).
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "Decoded",
+    "FreshnessRecord",
     "KeyLayout",
     "Position",
     "RecordLayout",
     "RecordReader",
     "encode_tombstone",
+    "header_times",
     "to_micros",
 ]
 
@@ -195,6 +202,28 @@ class KeyLayout:
         """The registry key of one schema version (``ef:schema:user:2``)."""
         return f"{self.namespace}:schema:{entity}:{version}"
 
+    def entity_pattern(self) -> str:
+        """A SCAN pattern matching every entity key (``ef:{*:*``)."""
+        return f"{self.namespace}:{{*:*"
+
+    def entity_of(self, key: str) -> str | None:
+        """The entity type of an entity key (``user`` from ``ef:{user:42}``); None for
+        any other key."""
+        head = f"{self.namespace}:{{"
+        if not key.startswith(head) or not key.endswith("}"):
+            return None
+        entity, sep, _ = key[len(head) : -1].partition(":")
+        return entity if sep and entity else None
+
+    def freshness_pattern(self) -> str:
+        """A SCAN pattern matching every freshness record (``ef:freshness:*``)."""
+        return self.freshness_key("*")
+
+    def entity_of_freshness_key(self, key: str) -> str | None:
+        """The entity type of a freshness key; None for any other key."""
+        head = self.freshness_key("")
+        return key[len(head) :] or None if key.startswith(head) else None
+
     def freshness_key(self, entity: str) -> str:
         """The HASH where the pipeline records, per entity type, the source commit
         time (``commit_us``), write time (``write_us``) and ``lsn`` of the newest
@@ -221,6 +250,63 @@ def encode_tombstone(position: Position, commit_us: int, write_us: int) -> bytes
         + position.pack()
         + _TIMES.pack(commit_us, write_us)
     )
+
+
+def header_times(value: bytes) -> tuple[int, int] | None:
+    """``(commit_us, write_us)`` from a cached value's header (a vector's or a
+    tombstone's; the first :data:`HEADER_SIZE` bytes suffice, any schema version);
+    None when ``value`` is not an edgefeed value."""
+    if len(value) < HEADER_SIZE or value[: len(MAGIC)] != MAGIC:
+        return None
+    commit_us, write_us = _TIMES.unpack_from(value, POSITION_OFFSET + _POSITION.size)
+    return int(commit_us), int(write_us)
+
+
+_FRESHNESS_FIELDS = ("commit_us", "write_us", "lsn")
+
+
+@dataclass(frozen=True, slots=True)
+class FreshnessRecord:
+    """How current one entity type is in a region's cache, written by the pipeline
+    once per batch (:meth:`edge_cache.AsyncFeatureWriter.write` with ``freshness``).
+
+    Attributes:
+        entity: Entity type.
+        commit_us: Source commit time of the newest vector written (µs since the epoch).
+        write_us: When it was written to the cache (µs since the epoch).
+        lsn: Source log position of that vector.
+    """
+
+    entity: str
+    commit_us: int
+    write_us: int
+    lsn: int
+
+    def encode(self) -> dict[str, int]:
+        """The HASH fields stored at :meth:`KeyLayout.freshness_key`."""
+        return {"commit_us": self.commit_us, "write_us": self.write_us, "lsn": self.lsn}
+
+    @classmethod
+    def decode(cls, entity: str, fields: Mapping[Any, Any]) -> FreshnessRecord:
+        """Parse the HASH fields read back (bytes or str keys and values).
+
+        Raises:
+            CorruptValueError: a field is missing or not an integer.
+        """
+        values: dict[str, int] = {}
+        for name in _FRESHNESS_FIELDS:
+            raw = fields.get(name.encode(), fields.get(name))
+            try:
+                text = raw.decode("ascii") if isinstance(raw, bytes) else raw
+                if not isinstance(text, str) or not text.lstrip("-").isdigit():
+                    raise ValueError(text)
+                values[name] = int(text)
+            except (UnicodeDecodeError, ValueError):
+                raise CorruptValueError(
+                    f"freshness record of {entity!r} has field {name}={raw!r}, not an integer; "
+                    "only the edgefeed writer may write freshness records"
+                ) from None
+        return cls(entity, values["commit_us"], values["write_us"], values["lsn"])
 
 
 @dataclass(frozen=True, slots=True)
