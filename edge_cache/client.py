@@ -33,7 +33,7 @@ from redis.retry import Retry
 
 from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
-from edge_cache.core import Failure, LookupCore, ReadSchema, Reply, Step
+from edge_cache.core import Failure, LookupCore, ReadSchema, ReadTypes, Reply, Step
 from edge_cache.exceptions import ConfigError, PoolExhaustedError
 from edge_cache.layout import KeyLayout
 from edge_cache.metrics import LookupStats
@@ -148,6 +148,10 @@ def _pool_options(timeout_s: float, url: str | None = None) -> dict[str, Any]:
     return options
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class _Deadlines:
     """The deadline of each region a call reads from: ``timeout_s`` after its first read."""
 
@@ -164,9 +168,13 @@ class _Deadlines:
         return deadline
 
 
-def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> list[bytes | None]:
+def _mget(
+    client: redis.Redis, keys: list[str], redirect: int | None = None
+) -> tuple[list[bytes | None], int]:
     """One MGET on a pooled connection, without redis-py's per-command layers
     (retry wrapper, observability hooks): several microseconds less per call.
+    An ``EXISTS`` of the same keys rides along in the same write (it tells a key
+    of another Redis type, which MGET reads as nil, from an absent one).
 
     With ``redirect`` (near cache on), the connection must be tracking into that
     invalidation connection; one connected before the listener (re)connected is
@@ -177,8 +185,10 @@ def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> 
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             connection.disconnect()  # type: ignore[no-untyped-call]  # reconnects, tracked
-        connection.send_command("MGET", *keys)  # type: ignore[no-untyped-call]
-        return connection.read_response()  # type: ignore[no-any-return]
+        packed = connection.pack_commands([("MGET", *keys), ("EXISTS", *keys)])  # type: ignore[no-untyped-call]
+        connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+        values = connection.read_response()
+        return values, int(connection.read_response())
     except BaseException:
         connection.disconnect()  # type: ignore[no-untyped-call]  # half-read: never reuse
         raise
@@ -188,15 +198,18 @@ def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> 
 
 async def _amget(
     client: aioredis.Redis, keys: list[str], redirect: int | None = None
-) -> list[bytes | None]:
+) -> tuple[list[bytes | None], int]:
     """The asyncio twin of :func:`_mget` (also safe under cancellation by a timeout)."""
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             await connection.disconnect()
-        await connection.send_command("MGET", *keys)
-        return await connection.read_response()  # type: ignore[no-any-return]
+        await connection.send_packed_command(
+            connection.pack_commands([("MGET", *keys), ("EXISTS", *keys)])
+        )
+        values = await connection.read_response()
+        return values, int(await connection.read_response())
     except BaseException:
         await connection.disconnect()
         raise
@@ -416,8 +429,13 @@ class FeatureClient(_Base):
             client = self._client(step.region)
             if isinstance(step, ReadSchema):
                 return client.get(step.key)  # type: ignore[return-value]
+            if isinstance(step, ReadTypes):
+                pipe = client.pipeline(transaction=False)
+                for key in step.keys:
+                    pipe.type(key)
+                return [_text(t) for t in pipe.execute()]
             if isinstance(client, redis.RedisCluster):
-                return client.mget_nonatomic(step.keys)
+                return client.mget_nonatomic(step.keys), None
             listener = self.listener
             redirect = listener.client_id if step.tracked and listener is not None else None
             return _mget(client, step.keys, redirect)
@@ -533,8 +551,13 @@ class AsyncFeatureClient(_Base):
                 client = self.clients[step.region]
                 if isinstance(step, ReadSchema):
                     return await client.get(step.key)  # type: ignore[return-value]
+                if isinstance(step, ReadTypes):
+                    pipe = client.pipeline(transaction=False)
+                    for key in step.keys:
+                        pipe.type(key)
+                    return [_text(t) for t in await pipe.execute()]
                 if isinstance(client, aioredis.RedisCluster):
-                    return await client.mget_nonatomic(step.keys)
+                    return await client.mget_nonatomic(step.keys), None
                 listener = self.listener
                 redirect = listener.client_id if step.tracked and listener is not None else None
                 return await _amget(client, step.keys, redirect)

@@ -11,9 +11,10 @@ those steps, so the sync and async faces share one failover loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 _MAX_PROJECTIONS = 1024
+log = logging.getLogger(__name__)
 
 
 class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a dataclass
@@ -63,7 +65,8 @@ class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a
 
 @dataclass(frozen=True, slots=True)
 class Read:
-    """A step of a lookup: ``MGET keys`` from ``region``; answer: the values (None: absent).
+    """A step of a lookup: ``MGET keys`` from ``region``; answer: the values (None:
+    absent) and how many of the keys exist (``EXISTS``), or None if unknown.
 
     Attributes:
         region: Region to read from.
@@ -86,6 +89,15 @@ class ReadSchema:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadTypes:
+    """A step of a lookup: ``TYPE`` of each key (pipelined) in ``region``; answer: the
+    type names. Asked only when a read found keys that exist but hold no string."""
+
+    region: str
+    keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """What a face sends back when a step's read failed (timeout, connection).
 
@@ -98,9 +110,11 @@ class Failure:
     reason: str
 
 
-Step = Read | ReadSchema
-#: What a face sends back for a step: MGET values, a schema document, or a Failure.
-Reply = list[bytes | None] | bytes | Failure | None
+Step = Read | ReadSchema | ReadTypes
+#: What a face sends back for a step, or a Failure: for a Read, the values and how many
+#: of the keys exist (None when the face cannot tell: a cluster); for a ReadSchema, the
+#: document; for a ReadTypes, the type names.
+Reply = tuple[list[bytes | None], int | None] | list[str] | bytes | Failure | None
 #: The generator :meth:`LookupCore.lookup` returns: yields steps, is sent their answers.
 Lookup = Generator[Step, Reply, FeatureVectors]
 
@@ -306,6 +320,7 @@ class LookupCore:
             now_us=time.time_ns() // 1000 if plan.max_staleness_us is not None else 0,
             max_staleness_us=plan.max_staleness_us,
             near_hits=near_hits,
+            corrupt=tuple(sorted(decoded.corrupt)),
         )
 
     def record(self, plan: Plan, result: FeatureVectors, started: float) -> None:
@@ -326,6 +341,10 @@ class LookupCore:
         )
         if result.region != home:
             self.stats.fallback(home, result.region, entity)
+        for _, reason in result.corrupt:
+            kind = "wrong_type" if " holds a Redis " in reason else "format"
+            self.stats.corrupt_value(result.region, entity, kind)
+            log.warning("lookup of %r in %s: %s", entity, result.region, reason)
 
     def failed(self, region: str, reason: str) -> None:
         """Count a failed (or skipped) read from ``region``."""
@@ -417,22 +436,27 @@ class LookupCore:
         self, plan: Plan, name: str, near: NearCache | None
     ) -> Generator[Step, Any, tuple[Decoded, int] | Failure]:
         """Read and decode the call's values from one region (through the near cache)."""
+        keys = plan.keys
         if near is None:
-            raws = yield Read(name, plan.keys)
-            if isinstance(raws, Failure):
-                return raws
+            answer = yield Read(name, keys)
+            if isinstance(answer, Failure):
+                return answer
+            raws, existing = answer
+            read_keys, read_values = keys, raws
             hits = 0
         else:
-            raws, misses = near.lookup(plan.keys)
-            hits = len(plan.keys) - len(misses)
+            raws, misses = near.lookup(keys)
+            hits = len(keys) - len(misses)
+            read_keys, read_values, existing = [], [], 0
             if misses:
-                missing = [plan.keys[i] for i in misses]
-                ticket = near.reserve(missing)
-                fetched = yield Read(name, missing, tracked=True)
-                if isinstance(fetched, Failure):
-                    return fetched
-                near.fill(missing, fetched, ticket)
-                for index, value in zip(misses, fetched, strict=True):
+                read_keys = [keys[i] for i in misses]
+                ticket = near.reserve(read_keys)
+                answer = yield Read(name, read_keys, tracked=True)
+                if isinstance(answer, Failure):
+                    return answer
+                read_values, existing = answer
+                near.fill(read_keys, read_values, ticket)
+                for index, value in zip(misses, read_values, strict=True):
                     raws[index] = value
         decoded = plan.reader.decode(raws, plan.ids)
         if decoded.needs:
@@ -444,4 +468,28 @@ class LookupCore:
                     return document
                 plan.reader.learn(version, fingerprint, document)
             decoded = plan.reader.decode(raws, plan.ids)
+        found = len(read_values) - read_values.count(None)
+        if existing is not None and existing > found:
+            # MGET reads a key of another Redis type (a hash...) as nil: name it, never
+            # let it pass for an absent entity
+            absent = [
+                key for key, value in zip(read_keys, read_values, strict=True) if value is None
+            ]
+            types = yield ReadTypes(name, absent)
+            if isinstance(types, Failure):
+                return types
+            wrong = {
+                k: t for k, t in zip(absent, types, strict=True) if t not in ("none", "string")
+            }
+            if wrong:
+                extra = tuple(
+                    (
+                        index,
+                        f"key {key!r} holds a Redis {wrong[key]}, not an edgefeed value "
+                        "(a string); is another application writing under this key namespace?",
+                    )
+                    for index, key in enumerate(keys)
+                    if key in wrong
+                )
+                decoded = replace(decoded, corrupt=decoded.corrupt + extra)
         return decoded, hits

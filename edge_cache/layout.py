@@ -369,7 +369,8 @@ class RecordLayout:
         commit_us: int,
         write_us: int,
     ) -> bytes:
-        """One entity's vector as bytes. Features absent from ``values`` or None are missing.
+        """One entity's vector as bytes. Features absent from ``values``, None or NaN
+        are missing.
 
         Raises:
             InvalidValueError: an unknown feature name or a value that does not fit its dtype.
@@ -395,8 +396,11 @@ class RecordLayout:
                 )
             if value is None:
                 continue
+            checked = _check(schema.features[index].dtype, name, value)
+            if checked != checked:  # NaN: no value (readers treat a stored NaN alike)
+                continue
             run_field, offset = self._slot[index]
-            record[run_field][offset] = _check(schema.features[index].dtype, name, value)
+            record[run_field][offset] = checked
             valid[index >> 3] |= 1 << (index & 7)
         record["valid"] = np.frombuffer(bytes(valid), dtype=np.uint8)
         return record.tobytes()
@@ -436,6 +440,8 @@ class Decoded:
             registry before decoding can finish; when not empty, ``records`` is empty.
         all_valid: Every feature of every record has a value.
         complete: Every requested id was found, and ``rows`` is ``0..n-1`` in order.
+        corrupt: ``(index, reason)`` of ids whose value is not an edgefeed value
+            (read as missing; the reason names the key).
     """
 
     records: np.ndarray[Any, Any]
@@ -444,6 +450,7 @@ class Decoded:
     needs: frozenset[tuple[int, int]] = frozenset()
     all_valid: bool = False
     complete: bool = False
+    corrupt: tuple[tuple[int, str], ...] = ()
 
 
 class RecordReader:
@@ -524,8 +531,10 @@ class RecordReader:
     def decode(self, raws: Sequence[bytes | None], ids: Sequence[Any]) -> Decoded:
         """Decode the values fetched for ``ids`` (None where the key is absent).
 
+        A value that is not in the edgefeed format is listed in ``Decoded.corrupt``
+        (that id reads as missing), never raised: one bad value must not fail a call.
+
         Raises:
-            CorruptValueError: a value is not in the edgefeed format.
             SchemaVersionError: a value's schema version cannot be read safely.
         """
         size = self.record.itemsize
@@ -602,6 +611,7 @@ class RecordReader:
         me = self.schema
         extra: list[bytes] = []
         deleted: list[int] = []
+        corrupt: list[tuple[int, str]] = []
         needs: set[tuple[int, int]] = set()
         for index in odd:
             raw = raws[index]
@@ -609,15 +619,20 @@ class RecordReader:
                 continue
             key = self.layout.key(me.entity, ids[index])
             if len(raw) < HEADER_SIZE:
-                raise CorruptValueError(
-                    f"value at {key!r} is {len(raw)} bytes, not an edgefeed value"
+                corrupt.append(
+                    (index, f"value at {key!r} is {len(raw)} bytes, not an edgefeed value")
                 )
+                continue
             magic, fmt, flags, version, n_features, fingerprint = _HEADER.unpack_from(raw)
             if magic != MAGIC or fmt != FORMAT_VERSION:
-                raise CorruptValueError(
-                    f"value at {key!r} is not an edgefeed value (magic {magic!r}, format {fmt}); "
-                    "is another application writing under this key namespace?"
+                corrupt.append(
+                    (
+                        index,
+                        f"value at {key!r} is not an edgefeed value (magic {magic!r}, format "
+                        f"{fmt}); is another application writing under this key namespace?",
+                    )
                 )
+                continue
             if flags & FLAG_TOMBSTONE:
                 deleted.append(index)
                 continue
@@ -635,10 +650,15 @@ class RecordReader:
             if isinstance(known, SchemaVersionError):
                 raise known
             if len(raw) != known.itemsize or n_features != len(known.schema.features):
-                raise CorruptValueError(
-                    f"value at {key!r} is {len(raw)} bytes; schema version {version} of "
-                    f"{me.entity!r} needs {known.itemsize}"
+                corrupt.append(
+                    (
+                        index,
+                        f"value at {key!r} is {len(raw)} bytes with {n_features} features; "
+                        f"schema version {version} of {me.entity!r} needs {known.itemsize} "
+                        f"bytes with {len(known.schema.features)}",
+                    )
                 )
+                continue
             extra.append(self._translate(raw, known))
             rows.append(index)
         if needs:
@@ -646,7 +666,9 @@ class RecordReader:
         if extra:
             more = np.frombuffer(b"".join(extra), dtype=self.record.dtype)
             records = np.concatenate([records, more]) if len(records) else more
-        return Decoded(records, np.asarray(rows, dtype=np.intp), tuple(deleted))
+        return Decoded(
+            records, np.asarray(rows, dtype=np.intp), tuple(deleted), corrupt=tuple(corrupt)
+        )
 
     def _translate(self, raw: bytes, writer: RecordLayout) -> bytes:
         """Rewrite a value of a compatible version into the reader's layout."""

@@ -23,6 +23,9 @@ from edge_cache import (
     EdgeCacheError,
     PoolExhaustedError,
     RegionUnavailableError,
+    SchemaVersionError,
+    UnknownEntityError,
+    UnknownFeatureError,
 )
 from workers.exceptions import FeatureLookupError, QueueFullError
 
@@ -95,12 +98,18 @@ class EdgeCacheFeatureSource:
             ) from None
         except RegionUnavailableError as exc:
             raise FeatureLookupError(f"feature lookup failed: {exc}", retryable=True) from None
-        except EdgeCacheError as exc:
+        except (SchemaVersionError, UnknownEntityError, UnknownFeatureError) as exc:
             raise FeatureLookupError(
                 f"feature lookup of {entity!r} failed: {exc}; the model's feature list and "
                 "the region's schemas disagree",
                 retryable=False,
             ) from None
+        except EdgeCacheError as exc:
+            raise FeatureLookupError(
+                f"feature lookup of {entity!r} failed: {exc}", retryable=exc.retryable
+            ) from None
+        # A corrupt value (result.corrupt, counted and logged by the client) and a
+        # stored NaN read as missing: the request's on_missing policy decides.
         values: Any = result.to_numpy()
         return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
 
