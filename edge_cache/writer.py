@@ -217,6 +217,17 @@ class WriterCore:
             )
 
 
+def queue(
+    pipe: Any, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]
+) -> None:
+    """Queue a batch on a (sync or async) pipeline: the script call per vector, then the
+    freshness records."""
+    for key, value, ttl_ms in encoded:
+        pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
+    for key, fields in fresh:
+        pipe.hset(key, mapping=fields)
+
+
 def _has_noscript(answers: Sequence[Any]) -> bool:
     return any(isinstance(a, NoScriptError) for a in answers)
 
@@ -320,10 +331,7 @@ class FeatureWriter:
         self, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]
     ) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for key, value, ttl_ms in encoded:
-            pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
-        for key, fields in fresh:
-            pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+        queue(pipe, encoded, fresh)
         try:
             return list(pipe.execute(raise_on_error=False))
         except NoScriptError as exc:  # cluster pipelines raise instead of returning
@@ -421,10 +429,7 @@ class AsyncFeatureWriter:
         self, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]
     ) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for key, value, ttl_ms in encoded:
-            pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
-        for key, fields in fresh:
-            pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+        queue(pipe, encoded, fresh)
         try:
             return list(await pipe.execute(raise_on_error=False))
         except NoScriptError as exc:
