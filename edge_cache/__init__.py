@@ -9,13 +9,16 @@ from edge_cache.exceptions import (
     CorruptValueError,
     EdgeCacheError,
     InvalidValueError,
+    LookupTimeoutError,
+    PoolExhaustedError,
     RegionUnavailableError,
     SchemaError,
     SchemaVersionError,
     UnknownEntityError,
     UnknownFeatureError,
 )
-from edge_cache.layout import KeyLayout, Position
+from edge_cache.freshness import FreshnessSnapshot, read_freshness
+from edge_cache.layout import FreshnessRecord, KeyLayout, Position
 from edge_cache.nearcache import NearCacheConfig
 from edge_cache.result import FeatureVectors
 from edge_cache.schema import Dtype, Feature, FeatureSchema
@@ -36,9 +39,13 @@ __all__ = [
     "FeatureSchema",
     "FeatureVectors",
     "FeatureWriter",
+    "FreshnessRecord",
+    "FreshnessSnapshot",
     "InvalidValueError",
     "KeyLayout",
+    "LookupTimeoutError",
     "NearCacheConfig",
+    "PoolExhaustedError",
     "Position",
     "RegionSettings",
     "RegionUnavailableError",
@@ -48,4 +55,5 @@ __all__ = [
     "UnknownFeatureError",
     "Upsert",
     "WriteOp",
+    "read_freshness",
 ]

@@ -12,16 +12,19 @@ whatever the number of ids.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import socket
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
+from prometheus_client.registry import CollectorRegistry
 from redis.backoff import NoBackoff
 from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -30,9 +33,10 @@ from redis.retry import Retry
 
 from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
-from edge_cache.core import LookupCore, Plan
-from edge_cache.exceptions import ConfigError
-from edge_cache.layout import Decoded, KeyLayout
+from edge_cache.core import Failure, LookupCore, ReadSchema, ReadTypes, Reply, Step
+from edge_cache.exceptions import ConfigError, PoolExhaustedError
+from edge_cache.layout import KeyLayout
+from edge_cache.metrics import LookupStats
 from edge_cache.nearcache import InvalidationListener, ListenerGroup, NearCache, NearCacheConfig
 from edge_cache.result import FeatureVectors
 from edge_cache.schema import FeatureSchema
@@ -60,24 +64,117 @@ class HasRegions(Protocol):
     def regions(self) -> Sequence[RegionSettings]: ...
 
 
-def _reason(exc: BaseException, timeout_s: float) -> tuple[str, str]:
+def _failure(exc: BaseException, timeout_s: float) -> Failure:
     if isinstance(exc, RedisTimeoutError | TimeoutError):
-        return "timeout", f"timed out after {timeout_s:g} s"
-    return "connection", f"connection failed ({type(exc).__name__})"
+        return Failure("timeout", f"timed out after {timeout_s:g} s")
+    return Failure("connection", f"connection failed ({type(exc).__name__})")
 
 
-def _pool_options(timeout_s: float) -> dict[str, Any]:
-    return {
+# The deadline (time.monotonic()) of the region read in progress in this thread, read by
+# every socket of the sync face: redis-py's socket_timeout bounds one recv, so a peer that
+# dribbles a byte per read would otherwise hold a call for as long as it likes.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "edge_cache_deadline", default=None
+)
+
+
+class _DeadlineSocket:
+    """A socket whose every send and receive waits at most until the call's deadline."""
+
+    __slots__ = ("_requested", "_sock")
+
+    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
+        self._sock = sock
+        self._requested = timeout  # what redis-py asked for (0: a non-blocking poll)
+
+    def _arm(self) -> None:
+        deadline = _DEADLINE.get()
+        requested = self._requested
+        if deadline is None:
+            self._sock.settimeout(requested)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the lookup's deadline has passed")
+        self._sock.settimeout(remaining if requested is None else min(requested, remaining))
+
+    def recv(self, *args: Any) -> bytes:
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        self._sock.sendall(*args)
+
+    def settimeout(self, value: float | None) -> None:
+        self._requested = value
+        self._sock.settimeout(value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineMixin:
+    def _connect(self) -> Any:
+        sock = super()._connect()  # type: ignore[misc]
+        return _DeadlineSocket(sock, self.socket_timeout)  # type: ignore[attr-defined]
+
+
+class _DeadlineConnection(_DeadlineMixin, redis.Connection):
+    """A TCP connection whose reads stop at the call's deadline."""
+
+
+class _DeadlineSSLConnection(_DeadlineMixin, redis.SSLConnection):
+    """A TLS connection whose reads stop at the call's deadline."""
+
+
+def _pool_options(timeout_s: float, url: str | None = None) -> dict[str, Any]:
+    options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
         # one timeout per call: retries are the breaker's and the failover's job
         "retry": Retry(NoBackoff(), 0),
     }
+    if url is not None:  # the sync face: reads bounded by the call's deadline
+        scheme = urlsplit(url).scheme
+        if scheme == "redis":
+            options["connection_class"] = _DeadlineConnection
+        elif scheme == "rediss":
+            options["connection_class"] = _DeadlineSSLConnection
+    return options
 
 
-def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> list[bytes | None]:
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class _Deadlines:
+    """The deadline of each region a call reads from: ``timeout_s`` after its first read."""
+
+    __slots__ = ("_by_region", "timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._by_region: dict[str, float] = {}
+
+    def of(self, region: str) -> float:
+        deadline = self._by_region.get(region)
+        if deadline is None:
+            deadline = self._by_region[region] = time.monotonic() + self.timeout_s
+        return deadline
+
+
+def _mget(
+    client: redis.Redis, keys: list[str], redirect: int | None = None
+) -> tuple[list[bytes | None], int]:
     """One MGET on a pooled connection, without redis-py's per-command layers
     (retry wrapper, observability hooks): several microseconds less per call.
+    An ``EXISTS`` of the same keys rides along in the same write (it tells a key
+    of another Redis type, which MGET reads as nil, from an absent one).
 
     With ``redirect`` (near cache on), the connection must be tracking into that
     invalidation connection; one connected before the listener (re)connected is
@@ -88,8 +185,10 @@ def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> 
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             connection.disconnect()  # type: ignore[no-untyped-call]  # reconnects, tracked
-        connection.send_command("MGET", *keys)  # type: ignore[no-untyped-call]
-        return connection.read_response()  # type: ignore[no-any-return]
+        packed = connection.pack_commands([("MGET", *keys), ("EXISTS", *keys)])  # type: ignore[no-untyped-call]
+        connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+        values = connection.read_response()
+        return values, int(connection.read_response())
     except BaseException:
         connection.disconnect()  # type: ignore[no-untyped-call]  # half-read: never reuse
         raise
@@ -99,15 +198,18 @@ def _mget(client: redis.Redis, keys: list[str], redirect: int | None = None) -> 
 
 async def _amget(
     client: aioredis.Redis, keys: list[str], redirect: int | None = None
-) -> list[bytes | None]:
+) -> tuple[list[bytes | None], int]:
     """The asyncio twin of :func:`_mget` (also safe under cancellation by a timeout)."""
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             await connection.disconnect()
-        await connection.send_command("MGET", *keys)
-        return await connection.read_response()  # type: ignore[no-any-return]
+        await connection.send_packed_command(
+            connection.pack_commands([("MGET", *keys), ("EXISTS", *keys)])
+        )
+        values = await connection.read_response()
+        return values, int(await connection.read_response())
     except BaseException:
         await connection.disconnect()
         raise
@@ -135,24 +237,68 @@ def node_url(url: str, host: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))
 
 
+def _loop_time(deadline: float) -> float:
+    """A ``time.monotonic()`` deadline on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
 class _Base:
+    """Feature lookups from one region's edge cache, with failover.
+
+    Args:
+        region: Home region: read first, and defines the residency zone of
+            personal entity types.
+        regions: Settings of the home region and of every region in its failover list.
+        schemas: Schemas of the entity types to read.
+        timeout_s: Deadline of the whole read from one region: connect, wait for a
+            pooled connection, every round trip of the call (not one socket read). A
+            call that fails over gives each region it tries its own ``timeout_s``.
+        near_cache: Enable the in-process near cache with these bounds.
+        breaker_failures: Consecutive failures that open a region's circuit breaker.
+        breaker_reset_s: How long an open breaker skips its region before one probe.
+        layout: Key layout (namespace); must match the writer's.
+        max_staleness: Default staleness bound of every call (a call's own
+            ``max_staleness`` wins); None: no bound.
+        registry: Prometheus registry the lookup metrics are exposed in (clients of
+            one registry share them); None: kept in ``stats`` only.
+        max_connections: Connections per region of the asyncio face: calls beyond it
+            queue until the deadline, then fail with :class:`PoolExhaustedError`
+            (never counted against the region). Size it from the caller's concurrency
+            (concurrent calls x round trips in flight per call).
+    """
+
     def __init__(
         self,
         region: str,
         regions: Iterable[RegionSettings],
         schemas: Iterable[FeatureSchema],
         *,
-        timeout_s: float,
-        near_cache: NearCacheConfig | None,
-        breaker_failures: int,
-        breaker_reset_s: float,
-        layout: KeyLayout | None,
-        max_staleness: float | timedelta | None,
+        timeout_s: float = 0.25,
+        near_cache: NearCacheConfig | None = None,
+        breaker_failures: int = 1,
+        breaker_reset_s: float = 1.0,
+        layout: KeyLayout | None = None,
+        max_staleness: float | timedelta | None = None,
+        registry: CollectorRegistry | None = None,
+        max_connections: int = 100,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r} must be positive")
-        self.core = LookupCore(region, regions, schemas, layout=layout, max_staleness=max_staleness)
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise ConfigError(f"max_connections={max_connections!r} must be an int >= 1")
+        if max_connections < 1:
+            raise ConfigError(f"max_connections={max_connections!r} must be >= 1")
+        self.core = LookupCore(
+            region,
+            regions,
+            schemas,
+            layout=layout,
+            max_staleness=max_staleness,
+            stats=LookupStats.of(registry),
+        )
+        self.stats = self.core.stats
         self.timeout_s = timeout_s
+        self.max_connections = max_connections
         self.region = region
         names = [region, *self.core.home.failover]
         self.breakers = {
@@ -171,6 +317,18 @@ class _Base:
             else:
                 self.listener = InvalidationListener(self.core.home.redis_url, self.near)
                 self.listeners = [self.listener]
+        self._connect_regions()
+        self._start_listeners()
+
+    def _connect_regions(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_settings(
+        cls, settings: HasRegions, region: str, schemas: Iterable[FeatureSchema], **options: Any
+    ) -> Self:
+        """Build from loaded settings (``edgefeed.settings.load_settings("edgefeed.yaml")``)."""
+        return cls(region, settings.regions, schemas, **options)
 
     def _cluster_listeners(self, near: NearCache) -> list[InvalidationListener]:
         """One broadcast-mode listener per primary of the home cluster: it is told of
@@ -219,62 +377,20 @@ class _Base:
 class FeatureClient(_Base):
     """Blocking feature lookups from one region's edge cache, with failover.
 
-    Args:
-        region: Home region: read first, and defines the residency zone of
-            personal entity types.
-        regions: Settings of the home region and of every region in its failover list.
-        schemas: Schemas of the entity types to read.
-        timeout_s: Timeout of one read from one region (connect and read).
-        near_cache: Enable the in-process near cache with these bounds (single-server
-            regions only).
-        breaker_failures: Consecutive failures that open a region's circuit breaker.
-        breaker_reset_s: How long an open breaker skips its region before one probe.
-        layout: Key layout (namespace); must match the writer's.
-        max_staleness: Default staleness bound of every call (a call's own
-            ``max_staleness`` wins); None: no bound.
+    Same arguments as :class:`AsyncFeatureClient` (see :class:`_Base`); every socket
+    read and write of a call stops at its deadline.
     """
 
-    def __init__(
-        self,
-        region: str,
-        regions: Iterable[RegionSettings],
-        schemas: Iterable[FeatureSchema],
-        *,
-        timeout_s: float = 0.25,
-        near_cache: NearCacheConfig | None = None,
-        breaker_failures: int = 1,
-        breaker_reset_s: float = 1.0,
-        layout: KeyLayout | None = None,
-        max_staleness: float | timedelta | None = None,
-    ) -> None:
-        super().__init__(
-            region,
-            regions,
-            schemas,
-            timeout_s=timeout_s,
-            near_cache=near_cache,
-            breaker_failures=breaker_failures,
-            breaker_reset_s=breaker_reset_s,
-            layout=layout,
-            max_staleness=max_staleness,
-        )
+    def _connect_regions(self) -> None:
         self.clients: dict[str, redis.Redis | redis.RedisCluster] = {}
         for name in self.breakers:
             settings = self.core.regions[name]
-            options = _pool_options(timeout_s)
+            options = _pool_options(self.timeout_s, settings.redis_url)
             if settings.cluster:
                 continue  # a cluster client connects when built: see _client
-            if name == region and self.listener is not None:
+            if name == self.region and self.listener is not None:
                 options["redis_connect_func"] = self._tracking_hook()
             self.clients[name] = redis.Redis.from_url(settings.redis_url, **options)
-        self._start_listeners()
-
-    @classmethod
-    def from_settings(
-        cls, settings: HasRegions, region: str, schemas: Iterable[FeatureSchema], **options: Any
-    ) -> FeatureClient:
-        """Build from loaded settings (``edgefeed.settings.load_settings("edgefeed.yaml")``)."""
-        return cls(region, settings.regions, schemas, **options)
 
     def get(
         self,
@@ -299,34 +415,34 @@ class FeatureClient(_Base):
             RegionUnavailableError: no region allowed to serve the call answered.
         """
         started = time.perf_counter()
-        core = self.core
-        plan = core.plan(entity, ids, features, max_staleness)
-        if not plan.ids:
-            return core.assemble(plan, self.region, plan.reader.decode([], []), 0)
-        allowed, refused = core.route(plan.schema)
-        attempts: list[tuple[str, str]] = []
-        for name in allowed:
-            breaker = self.breakers[name]
-            if not breaker.allow():
-                attempts.append((name, "skipped: circuit breaker open after recent failures"))
-                core.failed(name, "breaker_open")
-                continue
-            try:
-                raws, near_hits = self._fetch(name, plan.keys)
-                decoded = plan.reader.decode(raws, plan.ids)
-                if decoded.needs:
-                    decoded = self._learn(name, plan, raws, decoded)
-            except _FAILURES as exc:
-                breaker.failure()
-                metric, reason = _reason(exc, self.timeout_s)
-                core.failed(name, metric)
-                attempts.append((name, reason))
-                continue
-            breaker.success()
-            result = core.assemble(plan, name, decoded, near_hits)
-            core.record(plan, result, started)
-            return result
-        raise core.unavailable(plan, attempts, refused)
+        plan = self.core.plan(entity, ids, features, max_staleness)
+        run = self.core.start(plan, self.breakers, self.near, started)
+        deadlines = _Deadlines(self.timeout_s)
+        step = run.send(None)
+        while step is not None:
+            step = run.send(self._execute(step, deadlines.of(step.region)))
+        return run.result
+
+    def _execute(self, step: Step, deadline: float) -> Reply:
+        token = _DEADLINE.set(deadline)
+        try:
+            client = self._client(step.region)
+            if isinstance(step, ReadSchema):
+                return client.get(step.key)  # type: ignore[return-value]
+            if isinstance(step, ReadTypes):
+                pipe = client.pipeline(transaction=False)
+                for key in step.keys:
+                    pipe.type(key)
+                return [_text(t) for t in pipe.execute()]
+            if isinstance(client, redis.RedisCluster):
+                return client.mget_nonatomic(step.keys), None
+            listener = self.listener
+            redirect = listener.client_id if step.tracked and listener is not None else None
+            return _mget(client, step.keys, redirect)
+        except _FAILURES as exc:
+            return _failure(exc, self.timeout_s)
+        finally:
+            _DEADLINE.reset(token)
 
     def _client(self, name: str) -> redis.Redis | redis.RedisCluster:
         client = self.clients.get(name)
@@ -336,43 +452,14 @@ class FeatureClient(_Base):
             url = self.core.regions[name].redis_url
             # Probe the seed node first: a RedisCluster whose discovery fails leaks its
             # socket, and most failures (node down or hanging) show up right here.
-            with redis.Redis.from_url(url, **_pool_options(self.timeout_s)) as probe:
+            with redis.Redis.from_url(url, **_pool_options(self.timeout_s, url)) as probe:
                 probe.ping()
             try:
-                client = redis.RedisCluster.from_url(url, **_pool_options(self.timeout_s))
+                client = redis.RedisCluster.from_url(url, **_pool_options(self.timeout_s, url))
             except RedisClusterException as exc:
                 raise RedisConnectionError(f"cluster of region {name!r}: {exc}") from exc
             self.clients[name] = client
         return client
-
-    def _fetch(self, name: str, keys: list[str]) -> tuple[list[bytes | None], int]:
-        client = self._client(name)
-        near = self.near
-        if near is None or name != self.region or not near.active:
-            if isinstance(client, redis.RedisCluster):
-                return client.mget_nonatomic(keys), 0
-            return _mget(client, keys), 0
-        values, misses = near.lookup(keys)
-        if not misses:
-            return values, len(keys)
-        missing = [keys[i] for i in misses]
-        ticket = near.reserve(missing)
-        if isinstance(client, redis.RedisCluster):
-            fetched = client.mget_nonatomic(missing)
-        else:
-            redirect = self.listener.client_id if self.listener is not None else None
-            fetched = _mget(client, missing, redirect)
-        near.fill(missing, fetched, ticket)
-        for index, value in zip(misses, fetched, strict=True):
-            values[index] = value
-        return values, len(keys) - len(misses)
-
-    def _learn(self, name: str, plan: Plan, raws: list[bytes | None], decoded: Decoded) -> Decoded:
-        client = self._client(name)
-        for version, fingerprint in decoded.needs:
-            document = client.get(self.core.layout.schema_key(plan.schema.entity, version))
-            plan.reader.learn(version, fingerprint, document)
-        return plan.reader.decode(raws, plan.ids)
 
     def close(self) -> None:
         """Stop the near cache listener and close every connection."""
@@ -391,44 +478,24 @@ class FeatureClient(_Base):
 class AsyncFeatureClient(_Base):
     """The asyncio face of :class:`FeatureClient`: same arguments, same behaviour.
 
-    The timeout covers the whole read from one region (``asyncio.timeout``).
+    The deadline covers the whole read from one region (``asyncio.timeout``), and at
+    most ``max_connections`` reads per region are in flight; the others queue.
     """
 
-    def __init__(
-        self,
-        region: str,
-        regions: Iterable[RegionSettings],
-        schemas: Iterable[FeatureSchema],
-        *,
-        timeout_s: float = 0.25,
-        near_cache: NearCacheConfig | None = None,
-        breaker_failures: int = 1,
-        breaker_reset_s: float = 1.0,
-        layout: KeyLayout | None = None,
-        max_staleness: float | timedelta | None = None,
-    ) -> None:
-        super().__init__(
-            region,
-            regions,
-            schemas,
-            timeout_s=timeout_s,
-            near_cache=near_cache,
-            breaker_failures=breaker_failures,
-            breaker_reset_s=breaker_reset_s,
-            layout=layout,
-            max_staleness=max_staleness,
-        )
+    def _connect_regions(self) -> None:
         self.clients: dict[str, aioredis.Redis | aioredis.RedisCluster] = {}
+        self.gates = {name: asyncio.Semaphore(self.max_connections) for name in self.breakers}
         for name in self.breakers:
             settings = self.core.regions[name]
-            options = _pool_options(timeout_s)
+            options = _pool_options(self.timeout_s)
             if settings.cluster:
                 self.clients[name] = aioredis.RedisCluster.from_url(settings.redis_url, **options)
             else:
-                if name == region and self.listener is not None:
+                if name == self.region and self.listener is not None:
                     options["redis_connect_func"] = self._async_tracking_hook()
+                # the gate keeps in-flight reads at max_connections: the pool never runs dry
+                options["max_connections"] = self.max_connections
                 self.clients[name] = aioredis.Redis.from_url(settings.redis_url, **options)
-        self._start_listeners()
 
     def _async_tracking_hook(self) -> Any:
         listener = self.listener
@@ -443,13 +510,6 @@ class AsyncFeatureClient(_Base):
 
         return enable_tracking
 
-    @classmethod
-    def from_settings(
-        cls, settings: HasRegions, region: str, schemas: Iterable[FeatureSchema], **options: Any
-    ) -> AsyncFeatureClient:
-        """Build from loaded settings (``edgefeed.settings.load_settings("edgefeed.yaml")``)."""
-        return cls(region, settings.regions, schemas, **options)
-
     async def get(
         self,
         entity: str,
@@ -461,77 +521,50 @@ class AsyncFeatureClient(_Base):
     ) -> FeatureVectors:
         """See :meth:`FeatureClient.get`; ``timeout_s`` overrides the client's per call."""
         started = time.perf_counter()
-        core = self.core
-        plan = core.plan(entity, ids, features, max_staleness)
-        if not plan.ids:
-            return core.assemble(plan, self.region, plan.reader.decode([], []), 0)
-        near = self.near
-        if near is not None and near.active:
-            # everything in the near cache: no I/O, so no timeout scope and no breaker
-            cached, misses = near.lookup(plan.keys)
-            if not misses:
-                decoded = plan.reader.decode(cached, plan.ids)
-                if not decoded.needs:
-                    result = core.assemble(plan, self.region, decoded, len(plan.keys))
-                    core.record(plan, result, started)
-                    return result
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        allowed, refused = core.route(plan.schema)
-        attempts: list[tuple[str, str]] = []
-        for name in allowed:
-            breaker = self.breakers[name]
-            if not breaker.allow():
-                attempts.append((name, "skipped: circuit breaker open after recent failures"))
-                core.failed(name, "breaker_open")
-                continue
-            try:
-                async with asyncio.timeout(timeout):
-                    raws, near_hits = await self._fetch(name, plan.keys)
-                    decoded = plan.reader.decode(raws, plan.ids)
-                    if decoded.needs:
-                        decoded = await self._learn(name, plan, raws, decoded)
-            except _FAILURES as exc:
-                breaker.failure()
-                metric, reason = _reason(exc, timeout)
-                core.failed(name, metric)
-                attempts.append((name, reason))
-                continue
-            breaker.success()
-            result = core.assemble(plan, name, decoded, near_hits)
-            core.record(plan, result, started)
-            return result
-        raise core.unavailable(plan, attempts, refused)
+        plan = self.core.plan(entity, ids, features, max_staleness)
+        run = self.core.start(plan, self.breakers, self.near, started)
+        deadlines = _Deadlines(self.timeout_s if timeout_s is None else timeout_s)
+        step = run.send(None)
+        while step is not None:
+            step = run.send(await self._execute(step, deadlines))
+        return run.result
 
-    async def _fetch(self, name: str, keys: list[str]) -> tuple[list[bytes | None], int]:
-        client = self.clients[name]
-        near = self.near
-        if near is None or name != self.region or not near.active:
-            if isinstance(client, aioredis.RedisCluster):
-                return await client.mget_nonatomic(keys), 0
-            return await _amget(client, keys), 0
-        values, misses = near.lookup(keys)
-        if not misses:
-            return values, len(keys)
-        missing = [keys[i] for i in misses]
-        ticket = near.reserve(missing)
-        if isinstance(client, aioredis.RedisCluster):
-            fetched = await client.mget_nonatomic(missing)
-        else:
-            redirect = self.listener.client_id if self.listener is not None else None
-            fetched = await _amget(client, missing, redirect)
-        near.fill(missing, fetched, ticket)
-        for index, value in zip(misses, fetched, strict=True):
-            values[index] = value
-        return values, len(keys) - len(misses)
-
-    async def _learn(
-        self, name: str, plan: Plan, raws: list[bytes | None], decoded: Decoded
-    ) -> Decoded:
-        client = self.clients[name]
-        for version, fingerprint in decoded.needs:
-            document = await client.get(self.core.layout.schema_key(plan.schema.entity, version))
-            plan.reader.learn(version, fingerprint, document)
-        return plan.reader.decode(raws, plan.ids)
+    async def _execute(self, step: Step, deadlines: _Deadlines) -> Reply:
+        deadline = deadlines.of(step.region)
+        gate = self.gates[step.region]
+        try:
+            # Waiting for a free connection is this process's congestion, not the region's:
+            # it never counts against the region (breaker, failover); past the deadline the
+            # call is shed with a retryable PoolExhaustedError.
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                await gate.acquire()
+        except TimeoutError:
+            raise PoolExhaustedError(
+                f"all {self.max_connections} connections to region {step.region!r} stayed busy "
+                f"for the call's {deadlines.timeout_s:g} s: this process sends more concurrent "
+                "lookups than its pool holds; raise max_connections or admit fewer requests",
+                step.region,
+                retry_after_s=deadlines.timeout_s,
+            ) from None
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                client = self.clients[step.region]
+                if isinstance(step, ReadSchema):
+                    return await client.get(step.key)  # type: ignore[return-value]
+                if isinstance(step, ReadTypes):
+                    pipe = client.pipeline(transaction=False)
+                    for key in step.keys:
+                        pipe.type(key)
+                    return [_text(t) for t in await pipe.execute()]
+                if isinstance(client, aioredis.RedisCluster):
+                    return await client.mget_nonatomic(step.keys), None
+                listener = self.listener
+                redirect = listener.client_id if step.tracked and listener is not None else None
+                return await _amget(client, step.keys, redirect)
+        except _FAILURES as exc:
+            return _failure(exc, deadlines.timeout_s)
+        finally:
+            gate.release()
 
     async def close(self) -> None:
         """Stop the near cache listener and close every connection."""

@@ -1,36 +1,57 @@
 """The lookup logic that needs no I/O, shared by the sync and async clients.
 
 :class:`LookupCore` validates a call, resolves feature names to positions once
-per feature list, picks the regions allowed to serve it (residency), assembles
-the result and keeps the metrics. The clients in :mod:`edge_cache.client` only
-move bytes.
+per feature list, picks the regions allowed to serve it (residency), runs the
+failover (breakers, near cache, schema registry reads), assembles the result
+and keeps the metrics. :meth:`LookupCore.lookup` is a generator that yields the
+reads it needs (:class:`Read`, :class:`ReadSchema`) and is sent their answers
+(or a :class:`Failure`): the clients in :mod:`edge_cache.client` only execute
+those steps, so the sync and async faces share one failover loop.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from edge_cache.exceptions import (
     ConfigError,
     InvalidValueError,
+    LookupTimeoutError,
     RegionUnavailableError,
     UnknownEntityError,
     UnknownFeatureError,
 )
 from edge_cache.layout import Decoded, KeyLayout, RecordReader
-from edge_cache.metrics import STATS
+from edge_cache.metrics import LookupStats
 from edge_cache.result import FeatureVectors, Projection, build_vectors
 from edge_cache.schema import FeatureSchema
 from edge_cache.settings import RegionSettings
 
-__all__ = ["LookupCore", "Plan"]
+if TYPE_CHECKING:
+    from edge_cache.breaker import CircuitBreaker
+    from edge_cache.nearcache import NearCache
+
+__all__ = [
+    "Failure",
+    "Lookup",
+    "LookupCore",
+    "LookupRun",
+    "Plan",
+    "Read",
+    "ReadSchema",
+    "Reply",
+    "Step",
+]
 
 _MAX_PROJECTIONS = 1024
+log = logging.getLogger(__name__)
 
 
 class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a dataclass
@@ -40,6 +61,95 @@ class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a
     ids: tuple[Any, ...]
     keys: list[str]
     max_staleness_us: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """A step of a lookup: ``MGET keys`` from ``region``; answer: the values (None:
+    absent) and how many of the keys exist (``EXISTS``), or None if unknown.
+
+    Attributes:
+        region: Region to read from.
+        keys: Keys to read.
+        tracked: Read through a connection tracked into the near cache's invalidation
+            connection (the values will be cached in the process).
+    """
+
+    region: str
+    keys: list[str]
+    tracked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSchema:
+    """A step of a lookup: ``GET key`` (a schema registry document) from ``region``."""
+
+    region: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTypes:
+    """A step of a lookup: ``TYPE`` of each key (pipelined) in ``region``; answer: the
+    type names. Asked only when a read found keys that exist but hold no string."""
+
+    region: str
+    keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a face sends back when a step's read failed (timeout, connection).
+
+    Attributes:
+        metric: Reason label of ``edgefeed_lookup_region_failures_total``.
+        reason: The reason as the error names it (``timed out after 0.25 s``).
+    """
+
+    metric: str
+    reason: str
+
+
+Step = Read | ReadSchema | ReadTypes
+#: What a face sends back for a step, or a Failure: for a Read, the values and how many
+#: of the keys exist (None when the face cannot tell: a cluster); for a ReadSchema, the
+#: document; for a ReadTypes, the type names.
+Reply = tuple[list[bytes | None], int | None] | list[str] | bytes | Failure | None
+#: The generator :meth:`LookupCore.lookup` returns: yields steps, is sent their answers.
+Lookup = Generator[Step, Reply, FeatureVectors]
+
+
+class LookupRun:
+    """Drives the generator of :meth:`LookupCore.lookup` for a face::
+
+        step = run.send(None)
+        while step is not None:
+            step = run.send(execute(step))   # or: await execute(step)
+        return run.result
+
+    Raises (from :meth:`send`): whatever the lookup raises (RegionUnavailableError...).
+    """
+
+    __slots__ = ("_result", "_steps")
+
+    def __init__(self, steps: Lookup) -> None:
+        self._steps = steps
+        self._result: FeatureVectors | None = None
+
+    def send(self, reply: Reply) -> Step | None:
+        """Answer the last step (None at first); the next step, or None when done."""
+        try:
+            return self._steps.send(reply)
+        except StopIteration as done:
+            self._result = done.value
+            return None
+
+    @property
+    def result(self) -> FeatureVectors:
+        """The call's result, once :meth:`send` returned None."""
+        if self._result is None:
+            raise RuntimeError("the lookup has not finished: send() has steps left")
+        return self._result
 
 
 def _seconds(value: float | timedelta | None, what: str) -> float | None:
@@ -65,6 +175,7 @@ class LookupCore:
         schemas: Schemas of the entity types this client reads.
         layout: Key layout; must match the writer's.
         max_staleness: Default staleness bound of a call that gives none.
+        stats: Where the metrics go (default: a private, unregistered :class:`LookupStats`).
     """
 
     def __init__(
@@ -75,7 +186,9 @@ class LookupCore:
         *,
         layout: KeyLayout | None = None,
         max_staleness: float | timedelta | None = None,
+        stats: LookupStats | None = None,
     ) -> None:
+        self.stats = stats if stats is not None else LookupStats()
         default = _seconds(max_staleness, "max_staleness")
         self.default_staleness_us = None if default is None else round(default * 1_000_000)
         self.regions: dict[str, RegionSettings] = {r.name: r for r in regions}
@@ -207,6 +320,7 @@ class LookupCore:
             now_us=time.time_ns() // 1000 if plan.max_staleness_us is not None else 0,
             max_staleness_us=plan.max_staleness_us,
             near_hits=near_hits,
+            corrupt=tuple(sorted(decoded.corrupt)),
         )
 
     def record(self, plan: Plan, result: FeatureVectors, started: float) -> None:
@@ -216,7 +330,7 @@ class LookupCore:
         found = len(result._rows)
         stale = int(result.stale.sum()) if plan.max_staleness_us is not None else 0
         home = self.home.name
-        STATS.lookup(
+        self.stats.lookup(
             home,
             entity,
             time.perf_counter() - started,
@@ -226,11 +340,15 @@ class LookupCore:
             result.near_hits,
         )
         if result.region != home:
-            STATS.fallback(home, result.region, entity)
+            self.stats.fallback(home, result.region, entity)
+        for _, reason in result.corrupt:
+            kind = "wrong_type" if " holds a Redis " in reason else "format"
+            self.stats.corrupt_value(result.region, entity, kind)
+            log.warning("lookup of %r in %s: %s", entity, result.region, reason)
 
     def failed(self, region: str, reason: str) -> None:
         """Count a failed (or skipped) read from ``region``."""
-        STATS.failure(region, reason)
+        self.stats.failure(region, reason)
 
     def unavailable(
         self, plan: Plan, attempts: list[tuple[str, str]], refused: list[tuple[str, str]]
@@ -244,8 +362,134 @@ class LookupCore:
             else f"entity type {schema.entity!r}"
         )
         detail = "; ".join(f"{name}: {reason}" for name, reason in every)
-        return RegionUnavailableError(
+        timed_out = bool(attempts) and all(r.startswith("timed out") for _, r in attempts)
+        kind_of_error = LookupTimeoutError if timed_out else RegionUnavailableError
+        return kind_of_error(
             f"no region could serve {kind} for home region {self.home.name!r}: {detail}",
             self.home.name,
             every,
         )
+
+    def start(
+        self,
+        plan: Plan,
+        breakers: Mapping[str, CircuitBreaker],
+        near: NearCache | None,
+        started: float,
+    ) -> LookupRun:
+        """The state machine of one call: see :class:`LookupRun`."""
+        return LookupRun(self.lookup(plan, breakers, near, started))
+
+    def lookup(
+        self,
+        plan: Plan,
+        breakers: Mapping[str, CircuitBreaker],
+        near: NearCache | None,
+        started: float,
+    ) -> Lookup:
+        """The failover loop of one call, as a generator of I/O steps.
+
+        Yields :class:`Read` and :class:`ReadSchema` steps; the face executes each and
+        sends back its answer, or a :class:`Failure` when the region did not answer (the
+        region is then counted failed and the next allowed region is tried). Returns the
+        result (``StopIteration.value``).
+
+        Raises:
+            RegionUnavailableError: no region allowed to serve the call answered.
+            SchemaVersionError: a value's schema version cannot be read safely.
+        """
+        if not plan.ids:
+            return self.assemble(plan, self.home.name, plan.reader.decode([], []), 0)
+        home = self.home.name
+        if near is not None and near.active:
+            # everything in the near cache: no I/O, so no breaker either
+            cached, misses = near.lookup(plan.keys)
+            if not misses:
+                decoded = plan.reader.decode(cached, plan.ids)
+                if not decoded.needs:
+                    result = self.assemble(plan, home, decoded, len(plan.keys))
+                    self.record(plan, result, started)
+                    return result
+        allowed, refused = self.route(plan.schema)
+        attempts: list[tuple[str, str]] = []
+        for name in allowed:
+            breaker = breakers[name]
+            if not breaker.allow():
+                attempts.append((name, "skipped: circuit breaker open after recent failures"))
+                self.failed(name, "breaker_open")
+                continue
+            read = yield from self._read_region(
+                plan, name, near if name == home and near is not None and near.active else None
+            )
+            if isinstance(read, Failure):
+                breaker.failure()
+                self.failed(name, read.metric)
+                attempts.append((name, read.reason))
+                continue
+            breaker.success()
+            result = self.assemble(plan, name, read[0], read[1])
+            self.record(plan, result, started)
+            return result
+        raise self.unavailable(plan, attempts, refused)
+
+    def _read_region(
+        self, plan: Plan, name: str, near: NearCache | None
+    ) -> Generator[Step, Any, tuple[Decoded, int] | Failure]:
+        """Read and decode the call's values from one region (through the near cache)."""
+        keys = plan.keys
+        if near is None:
+            answer = yield Read(name, keys)
+            if isinstance(answer, Failure):
+                return answer
+            raws, existing = answer
+            read_keys, read_values = keys, raws
+            hits = 0
+        else:
+            raws, misses = near.lookup(keys)
+            hits = len(keys) - len(misses)
+            read_keys, read_values, existing = [], [], 0
+            if misses:
+                read_keys = [keys[i] for i in misses]
+                ticket = near.reserve(read_keys)
+                answer = yield Read(name, read_keys, tracked=True)
+                if isinstance(answer, Failure):
+                    return answer
+                read_values, existing = answer
+                near.fill(read_keys, read_values, ticket)
+                for index, value in zip(misses, read_values, strict=True):
+                    raws[index] = value
+        decoded = plan.reader.decode(raws, plan.ids)
+        if decoded.needs:
+            for version, fingerprint in decoded.needs:
+                document = yield ReadSchema(
+                    name, self.layout.schema_key(plan.schema.entity, version)
+                )
+                if isinstance(document, Failure):
+                    return document
+                plan.reader.learn(version, fingerprint, document)
+            decoded = plan.reader.decode(raws, plan.ids)
+        found = len(read_values) - read_values.count(None)
+        if existing is not None and existing > found:
+            # MGET reads a key of another Redis type (a hash...) as nil: name it, never
+            # let it pass for an absent entity
+            absent = [
+                key for key, value in zip(read_keys, read_values, strict=True) if value is None
+            ]
+            types = yield ReadTypes(name, absent)
+            if isinstance(types, Failure):
+                return types
+            wrong = {
+                k: t for k, t in zip(absent, types, strict=True) if t not in ("none", "string")
+            }
+            if wrong:
+                extra = tuple(
+                    (
+                        index,
+                        f"key {key!r} holds a Redis {wrong[key]}, not an edgefeed value "
+                        "(a string); is another application writing under this key namespace?",
+                    )
+                    for index, key in enumerate(keys)
+                    if key in wrong
+                )
+                decoded = replace(decoded, corrupt=decoded.corrupt + extra)
+        return decoded, hits

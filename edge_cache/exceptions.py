@@ -15,6 +15,8 @@ __all__ = [
     "CorruptValueError",
     "EdgeCacheError",
     "InvalidValueError",
+    "LookupTimeoutError",
+    "PoolExhaustedError",
     "RegionUnavailableError",
     "SchemaError",
     "SchemaVersionError",
@@ -83,3 +85,28 @@ class RegionUnavailableError(EdgeCacheError):
         super().__init__(message)
         self.region = region
         self.attempts = attempts
+
+
+class LookupTimeoutError(RegionUnavailableError):
+    """Every region tried ran out of its deadline (``timeout_s`` covers a region's
+    whole read, not one socket read) and no other allowed region answered.
+    Retryable."""
+
+
+class PoolExhaustedError(EdgeCacheError):
+    """Every pooled connection to a region stayed busy until the call's deadline:
+    the process sends more concurrent lookups than its ``max_connections``. The
+    region is healthy (it is not marked failed); shed the request with 429 and
+    ``Retry-After``, or raise ``max_connections``. Retryable.
+
+    Attributes:
+        region: The region whose pool was exhausted.
+        retry_after_s: Seconds after which a retry is likely to find a connection.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, region: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.region = region
+        self.retry_after_s = retry_after_s

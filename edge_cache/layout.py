@@ -29,6 +29,11 @@ Values (little-endian unless noted, packed, fixed size per schema version)::
 A tombstone is the 40-byte header alone with the tombstone flag: deleting an
 entity overwrites its vector with a position-stamped tombstone (with a TTL), so
 a late, older upsert cannot resurrect it.
+
+Freshness records
+    ``{namespace}:freshness:{entity}``, a HASH with the decimal fields
+    ``commit_us``, ``write_us`` and ``lsn`` of the newest vector the pipeline wrote
+    for the entity type (:class:`FreshnessRecord`).
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "Decoded",
+    "FreshnessRecord",
     "KeyLayout",
     "Position",
     "RecordLayout",
     "RecordReader",
     "encode_tombstone",
+    "header_times",
     "to_micros",
 ]
 
@@ -195,6 +202,28 @@ class KeyLayout:
         """The registry key of one schema version (``ef:schema:user:2``)."""
         return f"{self.namespace}:schema:{entity}:{version}"
 
+    def entity_pattern(self) -> str:
+        """A SCAN pattern matching every entity key (``ef:{*:*``)."""
+        return f"{self.namespace}:{{*:*"
+
+    def entity_of(self, key: str) -> str | None:
+        """The entity type of an entity key (``user`` from ``ef:{user:42}``); None for
+        any other key."""
+        head = f"{self.namespace}:{{"
+        if not key.startswith(head) or not key.endswith("}"):
+            return None
+        entity, sep, _ = key[len(head) : -1].partition(":")
+        return entity if sep and entity else None
+
+    def freshness_pattern(self) -> str:
+        """A SCAN pattern matching every freshness record (``ef:freshness:*``)."""
+        return self.freshness_key("*")
+
+    def entity_of_freshness_key(self, key: str) -> str | None:
+        """The entity type of a freshness key; None for any other key."""
+        head = self.freshness_key("")
+        return key[len(head) :] or None if key.startswith(head) else None
+
     def freshness_key(self, entity: str) -> str:
         """The HASH where the pipeline records, per entity type, the source commit
         time (``commit_us``), write time (``write_us``) and ``lsn`` of the newest
@@ -221,6 +250,63 @@ def encode_tombstone(position: Position, commit_us: int, write_us: int) -> bytes
         + position.pack()
         + _TIMES.pack(commit_us, write_us)
     )
+
+
+def header_times(value: bytes) -> tuple[int, int] | None:
+    """``(commit_us, write_us)`` from a cached value's header (a vector's or a
+    tombstone's; the first :data:`HEADER_SIZE` bytes suffice, any schema version);
+    None when ``value`` is not an edgefeed value."""
+    if len(value) < HEADER_SIZE or value[: len(MAGIC)] != MAGIC:
+        return None
+    commit_us, write_us = _TIMES.unpack_from(value, POSITION_OFFSET + _POSITION.size)
+    return int(commit_us), int(write_us)
+
+
+_FRESHNESS_FIELDS = ("commit_us", "write_us", "lsn")
+
+
+@dataclass(frozen=True, slots=True)
+class FreshnessRecord:
+    """How current one entity type is in a region's cache, written by the pipeline
+    once per batch (:meth:`edge_cache.AsyncFeatureWriter.write` with ``freshness``).
+
+    Attributes:
+        entity: Entity type.
+        commit_us: Source commit time of the newest vector written (µs since the epoch).
+        write_us: When it was written to the cache (µs since the epoch).
+        lsn: Source log position of that vector.
+    """
+
+    entity: str
+    commit_us: int
+    write_us: int
+    lsn: int
+
+    def encode(self) -> dict[str, int]:
+        """The HASH fields stored at :meth:`KeyLayout.freshness_key`."""
+        return {"commit_us": self.commit_us, "write_us": self.write_us, "lsn": self.lsn}
+
+    @classmethod
+    def decode(cls, entity: str, fields: Mapping[Any, Any]) -> FreshnessRecord:
+        """Parse the HASH fields read back (bytes or str keys and values).
+
+        Raises:
+            CorruptValueError: a field is missing or not an integer.
+        """
+        values: dict[str, int] = {}
+        for name in _FRESHNESS_FIELDS:
+            raw = fields.get(name.encode(), fields.get(name))
+            try:
+                text = raw.decode("ascii") if isinstance(raw, bytes) else raw
+                if not isinstance(text, str) or not text.lstrip("-").isdigit():
+                    raise ValueError(text)
+                values[name] = int(text)
+            except (UnicodeDecodeError, ValueError):
+                raise CorruptValueError(
+                    f"freshness record of {entity!r} has field {name}={raw!r}, not an integer; "
+                    "only the edgefeed writer may write freshness records"
+                ) from None
+        return cls(entity, values["commit_us"], values["write_us"], values["lsn"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +369,8 @@ class RecordLayout:
         commit_us: int,
         write_us: int,
     ) -> bytes:
-        """One entity's vector as bytes. Features absent from ``values`` or None are missing.
+        """One entity's vector as bytes. Features absent from ``values``, None or NaN
+        are missing.
 
         Raises:
             InvalidValueError: an unknown feature name or a value that does not fit its dtype.
@@ -309,8 +396,11 @@ class RecordLayout:
                 )
             if value is None:
                 continue
+            checked = _check(schema.features[index].dtype, name, value)
+            if checked != checked:  # NaN: no value (readers treat a stored NaN alike)
+                continue
             run_field, offset = self._slot[index]
-            record[run_field][offset] = _check(schema.features[index].dtype, name, value)
+            record[run_field][offset] = checked
             valid[index >> 3] |= 1 << (index & 7)
         record["valid"] = np.frombuffer(bytes(valid), dtype=np.uint8)
         return record.tobytes()
@@ -350,6 +440,8 @@ class Decoded:
             registry before decoding can finish; when not empty, ``records`` is empty.
         all_valid: Every feature of every record has a value.
         complete: Every requested id was found, and ``rows`` is ``0..n-1`` in order.
+        corrupt: ``(index, reason)`` of ids whose value is not an edgefeed value
+            (read as missing; the reason names the key).
     """
 
     records: np.ndarray[Any, Any]
@@ -358,6 +450,7 @@ class Decoded:
     needs: frozenset[tuple[int, int]] = frozenset()
     all_valid: bool = False
     complete: bool = False
+    corrupt: tuple[tuple[int, str], ...] = ()
 
 
 class RecordReader:
@@ -438,8 +531,10 @@ class RecordReader:
     def decode(self, raws: Sequence[bytes | None], ids: Sequence[Any]) -> Decoded:
         """Decode the values fetched for ``ids`` (None where the key is absent).
 
+        A value that is not in the edgefeed format is listed in ``Decoded.corrupt``
+        (that id reads as missing), never raised: one bad value must not fail a call.
+
         Raises:
-            CorruptValueError: a value is not in the edgefeed format.
             SchemaVersionError: a value's schema version cannot be read safely.
         """
         size = self.record.itemsize
@@ -516,6 +611,7 @@ class RecordReader:
         me = self.schema
         extra: list[bytes] = []
         deleted: list[int] = []
+        corrupt: list[tuple[int, str]] = []
         needs: set[tuple[int, int]] = set()
         for index in odd:
             raw = raws[index]
@@ -523,15 +619,20 @@ class RecordReader:
                 continue
             key = self.layout.key(me.entity, ids[index])
             if len(raw) < HEADER_SIZE:
-                raise CorruptValueError(
-                    f"value at {key!r} is {len(raw)} bytes, not an edgefeed value"
+                corrupt.append(
+                    (index, f"value at {key!r} is {len(raw)} bytes, not an edgefeed value")
                 )
+                continue
             magic, fmt, flags, version, n_features, fingerprint = _HEADER.unpack_from(raw)
             if magic != MAGIC or fmt != FORMAT_VERSION:
-                raise CorruptValueError(
-                    f"value at {key!r} is not an edgefeed value (magic {magic!r}, format {fmt}); "
-                    "is another application writing under this key namespace?"
+                corrupt.append(
+                    (
+                        index,
+                        f"value at {key!r} is not an edgefeed value (magic {magic!r}, format "
+                        f"{fmt}); is another application writing under this key namespace?",
+                    )
                 )
+                continue
             if flags & FLAG_TOMBSTONE:
                 deleted.append(index)
                 continue
@@ -549,10 +650,15 @@ class RecordReader:
             if isinstance(known, SchemaVersionError):
                 raise known
             if len(raw) != known.itemsize or n_features != len(known.schema.features):
-                raise CorruptValueError(
-                    f"value at {key!r} is {len(raw)} bytes; schema version {version} of "
-                    f"{me.entity!r} needs {known.itemsize}"
+                corrupt.append(
+                    (
+                        index,
+                        f"value at {key!r} is {len(raw)} bytes with {n_features} features; "
+                        f"schema version {version} of {me.entity!r} needs {known.itemsize} "
+                        f"bytes with {len(known.schema.features)}",
+                    )
                 )
+                continue
             extra.append(self._translate(raw, known))
             rows.append(index)
         if needs:
@@ -560,7 +666,9 @@ class RecordReader:
         if extra:
             more = np.frombuffer(b"".join(extra), dtype=self.record.dtype)
             records = np.concatenate([records, more]) if len(records) else more
-        return Decoded(records, np.asarray(rows, dtype=np.intp), tuple(deleted))
+        return Decoded(
+            records, np.asarray(rows, dtype=np.intp), tuple(deleted), corrupt=tuple(corrupt)
+        )
 
     def _translate(self, raw: bytes, writer: RecordLayout) -> bytes:
         """Rewrite a value of a compatible version into the reader's layout."""

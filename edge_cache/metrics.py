@@ -2,23 +2,26 @@
 
 The hot path must cost microseconds, so the client does not call
 ``prometheus_client`` metric objects per request (each ``inc``/``observe`` takes
-a lock and walks label dicts): it bumps plain counters in a :class:`LookupStats`
-and one custom collector, registered once per process, turns them into the
-metric families at scrape time.
+a lock and walks label dicts): it bumps plain counters in a :class:`LookupStats`,
+a custom collector that turns them into the metric families at scrape time.
+
+Nothing registers at import: the composition root hands a client a
+``prometheus_client.CollectorRegistry`` and :meth:`LookupStats.of` gives every
+client of that registry the same collector (registered once).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["BUCKETS", "STATS", "LookupStats"]
+__all__ = ["BUCKETS", "LookupStats"]
 
 BUCKETS = (
     50e-6,
@@ -66,13 +69,35 @@ class LookupStats(Collector):
       served by a failover region.
     * ``edgefeed_lookup_region_failures_total`` (labels region, reason): timeouts,
       connection errors, and calls that skipped a region whose breaker was open.
+    * ``edgefeed_lookup_corrupt_values_total`` (labels region, entity, reason): cached
+      values that could not be read (not an edgefeed value, wrong Redis type); each
+      such entity reads as missing.
     """
+
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, LookupStats] = (
+        weakref.WeakKeyDictionary()
+    )
+    _class_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry | None) -> LookupStats:
+        """The collector of ``registry`` (created and registered on first use); a
+        private, unregistered one when ``registry`` is None."""
+        if registry is None:
+            return cls()
+        with cls._class_lock:
+            stats = cls._by_registry.get(registry)
+            if stats is None:
+                stats = cls._by_registry[registry] = cls()
+                registry.register(stats)
+            return stats
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.series: dict[tuple[str, str], _Series] = {}
         self.fallbacks: dict[tuple[str, str, str], int] = {}
         self.failures: dict[tuple[str, str], int] = {}
+        self.corrupt: dict[tuple[str, str, str], int] = {}
 
     def lookup(
         self, region: str, entity: str, seconds: float, hit: int, miss: int, stale: int, near: int
@@ -99,6 +124,11 @@ class LookupStats(Collector):
         with self._lock:
             self.failures[(region, reason)] = self.failures.get((region, reason), 0) + 1
 
+    def corrupt_value(self, region: str, entity: str, reason: str) -> None:
+        with self._lock:
+            key = (region, entity, reason)
+            self.corrupt[key] = self.corrupt.get(key, 0) + 1
+
     def failure_count(self, region: str, reason: str) -> int:
         return self.failures.get((region, reason), 0)
 
@@ -110,6 +140,7 @@ class LookupStats(Collector):
             }
             fallbacks = dict(self.fallbacks)
             failures = dict(self.failures)
+            corrupt = dict(self.corrupt)
         latency = HistogramMetricFamily(
             "edgefeed_lookup_seconds",
             "Latency of FeatureClient.get calls, failover included.",
@@ -149,8 +180,12 @@ class LookupStats(Collector):
         )
         for reason, count in failures.items():
             failure.add_metric(list(reason), count)
-        yield from (latency, rows, near, fallback, failure)
-
-
-STATS = LookupStats()
-REGISTRY.register(STATS)
+        bad = CounterMetricFamily(
+            "edgefeed_lookup_corrupt_values",
+            "Cached values that could not be read (reason: format, wrong_type); the entity "
+            "reads as missing.",
+            labels=["region", "entity", "reason"],
+        )
+        for labels, count in corrupt.items():
+            bad.add_metric(list(labels), count)
+        yield from (latency, rows, near, fallback, failure, bad)

@@ -143,6 +143,9 @@ class FeatureVectors:
             (its values are withheld).
         commit_time: Per row, source commit time (``datetime64[us]``, UTC; NaT if absent).
         write_time: Per row, cache write time (``datetime64[us]``, UTC; NaT if absent).
+        corrupt: ``(row, reason)`` of each id whose cached value could not be read
+            (not an edgefeed value, or a key of another Redis type): such a row reads
+            as missing (``found`` False), and the reason names the key.
         near_hits: How many rows were answered by the in-process near cache (found or
             known absent).
     """
@@ -161,6 +164,7 @@ class FeatureVectors:
     _records: np.ndarray[Any, Any] = field(repr=False)
     _rows: np.ndarray[Any, np.dtype[np.intp]] = field(repr=False)
     _projection: Projection = field(repr=False)
+    corrupt: tuple[tuple[int, str], ...] = ()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -238,6 +242,7 @@ def build_vectors(
     now_us: int,
     max_staleness_us: int | None,
     near_hits: int,
+    corrupt: tuple[tuple[int, str], ...] = (),
 ) -> FeatureVectors:
     """Assemble a :class:`FeatureVectors` from decoded records (shared by both client faces)."""
     n = len(ids)
@@ -284,6 +289,11 @@ def build_vectors(
                 valid = projection.valid(records)
                 present[rows] = valid
                 values[~present] = np.nan
+    # A NaN stored in a float feature is no value: it reads as missing (the caller's
+    # on_missing policy applies), like a feature the writer never had.
+    nan = np.isnan(values)
+    if nan.any():
+        present = present & ~nan
     return FeatureVectors(
         entity=entity,
         ids=ids,
@@ -299,4 +309,5 @@ def build_vectors(
         _records=records,
         _rows=rows,
         _projection=projection,
+        corrupt=corrupt,
     )

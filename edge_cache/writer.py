@@ -33,7 +33,14 @@ from edge_cache.exceptions import (
     SchemaError,
     UnknownEntityError,
 )
-from edge_cache.layout import KeyLayout, Position, RecordLayout, encode_tombstone, to_micros
+from edge_cache.layout import (
+    FreshnessRecord,
+    KeyLayout,
+    Position,
+    RecordLayout,
+    encode_tombstone,
+    to_micros,
+)
 from edge_cache.schema import FeatureSchema
 from edge_cache.settings import RegionSettings
 
@@ -139,14 +146,42 @@ class WriterCore:
     def encode_all(self, ops: Sequence[WriteOp]) -> list[tuple[str, bytes, int]]:
         return [self.encode(op) for op in ops]
 
+    def freshness(self, ops: Sequence[WriteOp]) -> list[FreshnessRecord]:
+        """Per entity type of ``ops``, the record of its newest change (by source commit
+        time, then LSN), stamped with the current write time."""
+        newest: dict[str, tuple[int, int]] = {}
+        for op in ops:
+            mark = (to_micros(op.commit_time), op.position.lsn)
+            current = newest.get(op.entity)
+            if current is None or mark > current:
+                newest[op.entity] = mark
+        write_us = round(self.clock() * 1_000_000)
+        return [
+            FreshnessRecord(entity, commit_us, write_us, lsn)
+            for entity, (commit_us, lsn) in newest.items()
+        ]
+
+    def freshness_writes(self, ops: Sequence[WriteOp]) -> list[tuple[str, dict[str, int]]]:
+        """``(key, HASH fields)`` of the freshness records of ``ops``."""
+        return [
+            (self.layout.freshness_key(record.entity), record.encode())
+            for record in self.freshness(ops)
+        ]
+
     def outcome(self, keys: Sequence[str], answers: Sequence[Any]) -> list[bool]:
         """Turn the script's answers into applied flags.
 
         Raises:
             CorruptValueError: a key held a value that is not edgefeed's.
         """
+        for answer in answers[len(keys) :]:  # the freshness records' HSETs
+            if isinstance(answer, Exception):
+                raise CorruptValueError(
+                    f"a freshness record could not be written ({answer}); only the edgefeed "
+                    "writer may write under the freshness keys"
+                )
         applied: list[bool] = []
-        for key, answer in zip(keys, answers, strict=True):
+        for key, answer in zip(keys, answers[: len(keys)], strict=True):
             if isinstance(answer, Exception):
                 raise answer
             verdict = int(answer[0]) if isinstance(answer, list) else int(answer)
@@ -182,11 +217,22 @@ class WriterCore:
             )
 
 
+def queue(
+    pipe: Any, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]
+) -> None:
+    """Queue a batch on a (sync or async) pipeline: the script call per vector, then the
+    freshness records."""
+    for key, value, ttl_ms in encoded:
+        pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
+    for key, fields in fresh:
+        pipe.hset(key, mapping=fields)
+
+
 def _has_noscript(answers: Sequence[Any]) -> bool:
     return any(isinstance(a, NoScriptError) for a in answers)
 
 
-def _client_options(region: RegionSettings, timeout_s: float) -> dict[str, Any]:
+def _client_options(timeout_s: float) -> dict[str, Any]:
     return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
 
 
@@ -225,10 +271,10 @@ class FeatureWriter:
         """A writer for the region's cache, built from its settings."""
         if region.cluster:
             client: redis.Redis | redis.RedisCluster = redis.RedisCluster.from_url(
-                region.redis_url, **_client_options(region, timeout_s)
+                region.redis_url, **_client_options(timeout_s)
             )
         else:
-            client = redis.Redis.from_url(region.redis_url, **_client_options(region, timeout_s))
+            client = redis.Redis.from_url(region.redis_url, **_client_options(timeout_s))
         return cls(client, schemas, **options)
 
     def publish_schemas(self) -> None:
@@ -261,24 +307,31 @@ class FeatureWriter:
         """Delete one entity; True if applied, False if a later position is already stored."""
         return self.write([Delete(entity, entity_id, position, commit_time)])[0]
 
-    def write(self, ops: Sequence[WriteOp]) -> list[bool]:
+    def write(self, ops: Sequence[WriteOp], *, freshness: bool = False) -> list[bool]:
         """Apply a batch in one pipelined round trip; per op, whether it was applied.
 
         Ops on the same key are applied in order. Retrying a batch is safe.
+
+        Args:
+            ops: The batch.
+            freshness: Also record, in the same round trip, each entity type's
+                :class:`~edge_cache.layout.FreshnessRecord` (its newest change in ``ops``).
         """
         if not ops:
             return []
         encoded = self.core.encode_all(ops)
-        answers = self._run(encoded)
+        fresh = self.core.freshness_writes(ops) if freshness else []
+        answers = self._run(encoded, fresh)
         if _has_noscript(answers):
             self.client.script_load(WRITE_SCRIPT)
-            answers = self._run(encoded)
+            answers = self._run(encoded, fresh)
         return self.core.outcome([key for key, _, _ in encoded], answers)
 
-    def _run(self, encoded: list[tuple[str, bytes, int]]) -> list[Any]:
+    def _run(
+        self, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]
+    ) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for key, value, ttl_ms in encoded:
-            pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
+        queue(pipe, encoded, fresh)
         try:
             return list(pipe.execute(raise_on_error=False))
         except NoScriptError as exc:  # cluster pipelines raise instead of returning
@@ -326,10 +379,10 @@ class AsyncFeatureWriter:
         """A writer for the region's cache, built from its settings."""
         if region.cluster:
             client: aioredis.Redis | aioredis.RedisCluster = aioredis.RedisCluster.from_url(
-                region.redis_url, **_client_options(region, timeout_s)
+                region.redis_url, **_client_options(timeout_s)
             )
         else:
-            client = aioredis.Redis.from_url(region.redis_url, **_client_options(region, timeout_s))
+            client = aioredis.Redis.from_url(region.redis_url, **_client_options(timeout_s))
         return cls(client, schemas, **options)
 
     async def publish_schemas(self) -> None:
@@ -359,21 +412,24 @@ class AsyncFeatureWriter:
         """See :meth:`FeatureWriter.delete`."""
         return (await self.write([Delete(entity, entity_id, position, commit_time)]))[0]
 
-    async def write(self, ops: Sequence[WriteOp]) -> list[bool]:
-        """See :meth:`FeatureWriter.write`."""
+    async def write(self, ops: Sequence[WriteOp], *, freshness: bool = False) -> list[bool]:
+        """See :meth:`FeatureWriter.write`: with ``freshness=True`` the batch's freshness
+        records go in the same pipelined round trip (what the pipeline does per batch)."""
         if not ops:
             return []
         encoded = self.core.encode_all(ops)
-        answers = await self._run(encoded)
+        fresh = self.core.freshness_writes(ops) if freshness else []
+        answers = await self._run(encoded, fresh)
         if _has_noscript(answers):
             await self.client.script_load(WRITE_SCRIPT)
-            answers = await self._run(encoded)
+            answers = await self._run(encoded, fresh)
         return self.core.outcome([key for key, _, _ in encoded], answers)
 
-    async def _run(self, encoded: list[tuple[str, bytes, int]]) -> list[Any]:
+    async def _run(
+        self, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]
+    ) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for key, value, ttl_ms in encoded:
-            pipe.execute_command("EVALSHA", WRITE_SCRIPT_SHA, 1, key, value, ttl_ms)
+        queue(pipe, encoded, fresh)
         try:
             return list(await pipe.execute(raise_on_error=False))
         except NoScriptError as exc:

@@ -18,10 +18,27 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from edge_cache import AsyncFeatureClient, EdgeCacheError, RegionUnavailableError
-from workers.exceptions import FeatureLookupError
+from edge_cache import (
+    AsyncFeatureClient,
+    EdgeCacheError,
+    PoolExhaustedError,
+    RegionUnavailableError,
+    SchemaVersionError,
+    UnknownEntityError,
+    UnknownFeatureError,
+)
+from workers.exceptions import FeatureLookupError, QueueFullError
 
-__all__ = ["EdgeCacheFeatureSource", "FeatureSource"]
+__all__ = ["LOOKUPS_PER_REQUEST", "EdgeCacheFeatureSource", "FeatureSource", "pool_size"]
+
+#: Concurrent lookups one ranking request makes (its user and its items, gathered).
+LOOKUPS_PER_REQUEST = 2
+
+
+def pool_size(concurrency: int) -> int:
+    """Connections per region the lookup client needs so that ``concurrency``
+    requests in flight never wait for one (``max_connections`` of the client)."""
+    return max(1, concurrency) * LOOKUPS_PER_REQUEST
 
 
 @runtime_checkable
@@ -66,20 +83,33 @@ class EdgeCacheFeatureSource:
         """Look up ``ids`` of ``entity``; see :class:`FeatureSource`.
 
         Raises:
+            QueueFullError: every connection of the lookup pool stayed busy until the
+                deadline: this worker is overloaded, not the region (429, Retry-After).
             FeatureLookupError: the region (and its allowed fallbacks) is
                 unavailable (retryable, 503), or the cache's schema does not
                 have what the model reads (500).
         """
         try:
             result = await self.client.get(entity, list(ids), features, self._max_staleness)
+        except PoolExhaustedError as exc:
+            raise QueueFullError(
+                f"feature lookups are queued beyond their deadline: {exc}",
+                retry_after_s=exc.retry_after_s,
+            ) from None
         except RegionUnavailableError as exc:
             raise FeatureLookupError(f"feature lookup failed: {exc}", retryable=True) from None
-        except EdgeCacheError as exc:
+        except (SchemaVersionError, UnknownEntityError, UnknownFeatureError) as exc:
             raise FeatureLookupError(
                 f"feature lookup of {entity!r} failed: {exc}; the model's feature list and "
                 "the region's schemas disagree",
                 retryable=False,
             ) from None
+        except EdgeCacheError as exc:
+            raise FeatureLookupError(
+                f"feature lookup of {entity!r} failed: {exc}", retryable=exc.retryable
+            ) from None
+        # A corrupt value (result.corrupt, counted and logged by the client) and a
+        # stored NaN read as missing: the request's on_missing policy decides.
         values: Any = result.to_numpy()
         return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
 

@@ -37,7 +37,7 @@ try:
     from aiohttp import web
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("the model workers need aiohttp: pip install 'edgefeed[workers]'") from exc
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from workers.batcher import BatchingConfig, DynamicBatcher
 from workers.exceptions import (
@@ -118,6 +118,8 @@ class InferenceServer:
         runtime: Device and precision for every model.
         batching: Batching parameters for every model.
         config: Listening address, limits, region.
+        registry: Prometheus registry served at ``/metrics`` (the composition root's,
+            shared with the model's lookup client); default: a new one.
     """
 
     def __init__(
@@ -127,11 +129,12 @@ class InferenceServer:
         runtime: RuntimeConfig | None = None,
         batching: BatchingConfig | None = None,
         config: ServerConfig | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.runtime = runtime or RuntimeConfig()
         self.batching = batching or BatchingConfig()
         self.config = config or ServerConfig()
-        self.metrics = WorkerMetrics(self.config.region)
+        self.metrics = WorkerMetrics(self.config.region, registry or CollectorRegistry())
         self._slots = {model.name: _Slot(model) for model in models}
         if len(self._slots) != len(models):
             raise ValueError("model names must be distinct")

@@ -61,7 +61,9 @@ def get(
         float | None,
         typer.Option(help="Withhold vectors whose source commit is older (seconds)."),
     ] = None,
-    timeout_s: Annotated[float, typer.Option(help="Timeout of one read, in seconds.")] = 1.0,
+    timeout_s: Annotated[
+        float, typer.Option(help="Deadline of the whole read from one region, in seconds.")
+    ] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
 ) -> None:
     """Read ENTITY vectors for IDS with the same client, failover and residency rules

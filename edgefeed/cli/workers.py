@@ -15,6 +15,8 @@ from rich.table import Table
 from edgefeed.cli._common import console, err_console, fail, run_reported, settings_of
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from workers.features import FeatureSource
     from workers.models import RankerConfig, ServedModel
     from workers.server import InferenceServer
@@ -39,8 +41,15 @@ RegionOpt = Annotated[
 ]
 
 
-def _feature_factory(ctx: typer.Context, region: str) -> Callable[[RankerConfig], FeatureSource]:
-    """Builds the ranker's feature source: the edge cache lookup client of ``region``.
+def _feature_factory(
+    ctx: typer.Context,
+    region: str,
+    registry: CollectorRegistry | None = None,
+    concurrency: int = 256,
+) -> Callable[[RankerConfig], FeatureSource]:
+    """Builds the ranker's feature source: the edge cache lookup client of ``region``,
+    its metrics in ``registry`` (the worker's), its pool sized for ``concurrency``
+    requests in flight.
 
     The client knows the pipeline's entity schemas (from the settings file) plus
     the model's own entities when the pipeline does not declare them (the demo's).
@@ -49,14 +58,22 @@ def _feature_factory(ctx: typer.Context, region: str) -> Callable[[RankerConfig]
     def build(config: RankerConfig) -> FeatureSource:
         from edge_cache import AsyncFeatureClient
         from edgefeed.lookup import feature_schemas
-        from workers.features import EdgeCacheFeatureSource
+        from workers.features import EdgeCacheFeatureSource, pool_size
 
         settings = settings_of(ctx)
         run_reported(lambda: settings.region(region))
         schemas = feature_schemas(settings)
         declared = {schema.entity for schema in schemas}
         schemas += [schema for schema in config.schemas() if schema.entity not in declared]
-        client = run_reported(lambda: AsyncFeatureClient.from_settings(settings, region, schemas))
+        client = run_reported(
+            lambda: AsyncFeatureClient.from_settings(
+                settings,
+                region,
+                schemas,
+                registry=registry,
+                max_connections=pool_size(concurrency),
+            )
+        )
         return EdgeCacheFeatureSource(client)
 
     return build
@@ -72,11 +89,18 @@ def _load_model(
     input_shape: str | None,
     input_dtype: str,
     labels: str | None,
+    *,
+    registry: CollectorRegistry | None = None,
+    concurrency: int = 256,
 ) -> ServedModel:
     from workers.models import load_served_model
 
     shape = tuple(int(part) for part in input_shape.split(",")) if input_shape else ()
-    features = _feature_factory(ctx, region) if name == "ranker" and model_file is None else None
+    features = (
+        _feature_factory(ctx, region, registry, concurrency)
+        if name == "ranker" and model_file is None
+        else None
+    )
     return run_reported(
         lambda: load_served_model(
             name,
@@ -146,6 +170,8 @@ def serve(
     labels: Annotated[str | None, typer.Option(help="Classifier labels, comma-separated.")] = None,
 ) -> None:
     """Serve one model over HTTP until SIGINT/SIGTERM, then drain."""
+    from prometheus_client import CollectorRegistry
+
     from workers.server import InferenceServer, run_server
 
     settings = _worker_settings(
@@ -159,8 +185,20 @@ def serve(
         max_queue_size=max_queue_size,
         default_deadline_ms=deadline_ms,
     )
+    # the composition root: one registry for the worker's and its lookup client's metrics
+    registry = CollectorRegistry()
     served = _load_model(
-        ctx, model, region, weights, model_file, kind, input_shape, input_dtype, labels
+        ctx,
+        model,
+        region,
+        weights,
+        model_file,
+        kind,
+        input_shape,
+        input_dtype,
+        labels,
+        registry=registry,
+        concurrency=settings.max_queue_size,
     )
     server = run_reported(
         lambda: InferenceServer(
@@ -168,6 +206,7 @@ def serve(
             runtime=settings.runtime(),
             batching=settings.batching(),
             config=settings.server(region),
+            registry=registry,
         )
     )
 

@@ -133,3 +133,75 @@ def black_hole() -> Iterator[BlackHole]:
     hole = BlackHole()
     yield hole
     hole.close()
+
+
+class DribbleProxy:
+    """A TCP proxy in front of a real redis-server that passes requests at once and
+    answers one byte every ``interval_s``: a link slow enough to stall a reader whose
+    timeout is per socket read, never idle long enough to trip it."""
+
+    def __init__(self, upstream_port: int, interval_s: float = 0.05) -> None:
+        self.upstream_port = upstream_port
+        self.interval_s = interval_s
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, server]
+            for target in (self._forward, self._dribble):
+                thread = threading.Thread(target=target, args=(client, server), daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def _forward(self, client: socket.socket, server: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                server.sendall(data)
+
+    def _dribble(self, client: socket.socket, server: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                for i in range(len(data)):
+                    if self._stop.wait(self.interval_s):
+                        return
+                    client.sendall(data[i : i + 1])
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+@pytest.fixture
+def dribble() -> Iterator[Callable[[RegionSettings], RegionSettings]]:
+    """Puts a :class:`DribbleProxy` in front of a region: the region's settings, via it."""
+    proxies: list[DribbleProxy] = []
+
+    def through(region: RegionSettings) -> RegionSettings:
+        port = int(region.redis_url.rsplit(":", 1)[1].split("/")[0])
+        proxy = DribbleProxy(port)
+        proxies.append(proxy)
+        return region.model_copy(update={"redis_url": f"redis://127.0.0.1:{proxy.port}/0"})
+
+    yield through
+    for proxy in proxies:
+        proxy.close()

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
 from edge_cache import (
     AsyncFeatureClient,
@@ -19,7 +20,6 @@ from edge_cache import (
     RegionSettings,
     RegionUnavailableError,
 )
-from edge_cache.metrics import STATS
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ["edge_cache_stack"]
@@ -47,10 +47,6 @@ def _seed(regions: list[RegionSettings], make_writer: Callable[..., FeatureWrite
             "profile", "u1", {"age_bucket": 3.0, "spend_30d": 12.5}, Position(1), time.time()
         )
         writer.upsert("item", "sku", {"ctr": 0.5, "price": 9.0}, Position(1), time.time())
-
-
-def _failures(region: str, reason: str) -> float:
-    return STATS.failure_count(region, reason)
 
 
 def _refusing_port() -> int:
@@ -111,16 +107,26 @@ def test_breaker_makes_a_dead_region_cost_one_timeout(
     regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter], black_hole: Any
 ) -> None:
     _seed(regions, make_writer)
-    timeouts = _failures("eu-west", "timeout")
-    skipped = _failures("eu-west", "breaker_open")
+    registry = CollectorRegistry()
     with FeatureClient(
-        "eu-west", _dead_home(regions, black_hole), [ITEM], timeout_s=0.2, breaker_reset_s=60
+        "eu-west",
+        _dead_home(regions, black_hole),
+        [ITEM],
+        timeout_s=0.2,
+        breaker_reset_s=60,
+        registry=registry,
     ) as client:
         for _ in range(20):
             assert client.get("item", ["sku"]).region == "us-east"
         assert client.breakers["eu-west"].state == "open"
-    assert _failures("eu-west", "timeout") == timeouts + 1
-    assert _failures("eu-west", "breaker_open") == skipped + 19
+
+    def failures(reason: str) -> float | None:
+        return registry.get_sample_value(
+            "edgefeed_lookup_region_failures_total", {"region": "eu-west", "reason": reason}
+        )
+
+    assert failures("timeout") == 1
+    assert failures("breaker_open") == 19
     assert black_hole.accepted == 1
 
 

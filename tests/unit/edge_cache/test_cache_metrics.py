@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from edge_cache.metrics import STATS, LookupStats
+from edge_cache.metrics import LookupStats
 
 
 def test_collector_exposes_every_family() -> None:
@@ -43,14 +43,30 @@ def test_collector_exposes_every_family() -> None:
     assert b"# TYPE edgefeed_lookup_seconds histogram" in generate_latest(registry)
 
 
-def test_process_collector_is_on_the_default_registry() -> None:
-    from prometheus_client import REGISTRY
+def test_nothing_registers_at_import_and_a_registry_gets_one_shared_collector() -> None:
+    import subprocess
+    import sys
 
-    STATS.failure("unit-test-region", "timeout")
-    assert (
-        REGISTRY.get_sample_value(
-            "edgefeed_lookup_region_failures_total",
-            {"region": "unit-test-region", "reason": "timeout"},
-        )
-        is not None
+    # a fresh interpreter: importing the package leaves the global registry alone
+    code = (
+        "import edge_cache, edge_cache.client, edge_cache.metrics\n"
+        "from prometheus_client import REGISTRY\n"
+        "names = {m.name for m in REGISTRY.collect()}\n"
+        "print(sorted(n for n in names if n.startswith('edgefeed_lookup')))\n"
     )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.strip() == "[]"
+
+    registry = CollectorRegistry()
+    first, second = LookupStats.of(registry), LookupStats.of(registry)
+    assert first is second  # two clients of one registry share the collector
+    first.failure("eu-west", "timeout")
+    assert (
+        registry.get_sample_value(
+            "edgefeed_lookup_region_failures_total", {"region": "eu-west", "reason": "timeout"}
+        )
+        == 1
+    )
+    assert LookupStats.of(None) is not LookupStats.of(None)  # unregistered, private

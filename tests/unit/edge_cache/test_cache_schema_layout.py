@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from edge_cache import (
-    CorruptValueError,
     Feature,
     FeatureSchema,
     InvalidValueError,
@@ -139,12 +138,14 @@ def test_reader_decodes_own_values_and_tombstones() -> None:
     assert not decoded.complete and not decoded.all_valid
 
 
-def test_reader_refuses_foreign_bytes() -> None:
+def test_reader_refuses_foreign_bytes_per_entity() -> None:
     reader = RecordReader(MIXED, KeyLayout())
-    with pytest.raises(CorruptValueError, match=r"'ef:\{item:1\}' is 3 bytes"):
-        reader.decode([b"abc"], [1])
-    with pytest.raises(CorruptValueError, match="not an edgefeed value"):
-        reader.decode([b"X" * 60], [1])
+    good = RecordLayout(MIXED).encode({}, Position(1), 1, 2)
+    decoded = reader.decode([b"abc", good, b"X" * 60], [1, 2, 3])
+    assert decoded.rows.tolist() == [1]  # the good value is served
+    (first, short), (third, foreign) = decoded.corrupt
+    assert first == 0 and "'ef:{item:1}' is 3 bytes" in short
+    assert third == 2 and "'ef:{item:3}' is not an edgefeed value" in foreign
 
 
 def _translate(writer: FeatureSchema, reader: FeatureSchema, values: dict[str, object]) -> object:
@@ -237,8 +238,9 @@ def test_bulk_decode_matches_the_per_value_path() -> None:
 
     foreign: list[bytes | None] = list(full)
     foreign[9] = b"EF" + b"\x07" * (record.itemsize - 2)  # right size, wrong format
-    with pytest.raises(CorruptValueError):
-        reader.decode(foreign, list(range(20)))
+    odd = reader.decode(foreign, list(range(20)))
+    assert [index for index, _ in odd.corrupt] == [9]
+    assert 9 not in odd.rows.tolist() and len(odd.rows) == 19
 
 
 def test_numpy_integer_ids_make_the_same_keys() -> None:

@@ -26,7 +26,6 @@ from monitoring import (
     evaluate_partition,
     make_registry,
 )
-from monitoring.freshness import entity_of_key, vector_times
 
 
 def window(*points: tuple[int, int], step: float = 1.0) -> list[Observation]:
@@ -86,19 +85,6 @@ def test_bad_options_name_the_value(options: dict[str, object], needle: str) -> 
         MonitorConfig(bootstrap_servers=("127.0.0.1:9092",), **options)  # type: ignore[arg-type]
     assert needle in str(info.value)
     assert isinstance(info.value, ValueError)
-
-
-def test_vector_header_times_and_keys() -> None:
-    from edge_cache.layout import Position, encode_tombstone
-
-    # A value as the cache writer encodes it (a tombstone is the bare 40-byte header).
-    value = encode_tombstone(Position(123, 4), 1_700_000_000_000_000, 1_700_000_000_250_000)
-    assert vector_times(value) == (1_700_000_000_000_000, 1_700_000_000_250_000)
-    assert vector_times(b"XX" + bytes(46)) is None
-    assert vector_times(b"EF") is None
-    assert entity_of_key("ef:{users:42}") == "users"
-    assert entity_of_key("ef:{users:a:b}") == "users"
-    assert entity_of_key("ef:freshness:users") is None
 
 
 def sample_report() -> Report:
