@@ -39,7 +39,6 @@ from pipeline.metrics import PipelineMetrics
 from pipeline.names import STATE_TABLE
 from pipeline.routing import Router
 from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime
-from pipeline.runtime.region import commit_seconds
 from pipeline.statestore import checkpoint_key, rebuild_states, store_state
 
 __all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
@@ -229,18 +228,8 @@ class _FaustCache:
 
     async def _write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
         cache = await self.writer()
-        applied = await cache.write(list(ops))
-        newest: dict[str, tuple[int, int]] = {}
-        for op in ops:
-            commit_us = int(commit_seconds(op) * 1_000_000)
-            current = newest.get(op.entity, (0, 0))
-            newest[op.entity] = max(current, (commit_us, op.position.lsn))
-        pipe = cache.client.pipeline(transaction=False)
-        for entity_name, (commit_us, lsn) in newest.items():
-            key = cache.core.layout.freshness_key(entity_name)
-            pipe.hset(key, mapping={"commit_us": commit_us, "write_us": now_us, "lsn": lsn})
-        await pipe.execute()
-        return applied
+        # The vectors and each entity type's freshness record, in one round trip.
+        return await cache.write(list(ops), freshness=True)
 
 
 class _FaustChangelog:
