@@ -20,10 +20,11 @@ from preprocess.exceptions import (
     CorruptInputError,
     DecompressionBombError,
     EncodingError,
+    EnvelopeError,
     InputTooLargeError,
     UnsupportedInputError,
 )
-from preprocess.image import decode_image
+from preprocess.image import decode_image, probe_image
 from preprocess.limits import DEFAULT_LIMITS, Limits
 
 try:
@@ -116,17 +117,34 @@ def webp_decode(
     *,
     channels: int = 3,
     limits: Limits = DEFAULT_LIMITS,
+    expect_size: tuple[int, int] | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Decode WebP to a uint8 ``(H, W, channels)`` array (channels 1, 3 or 4).
 
+    Args:
+        data: The WebP stream.
+        channels: 1, 3 or 4.
+        limits: Input and pixel bounds.
+        expect_size: ``(height, width)`` the caller expects; the stream's header is
+            checked against it before any pixel is decoded, so a small stream that
+            declares a huge canvas costs nothing.
+
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
+        EnvelopeError: the header's size differs from ``expect_size``.
     """
     mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels)
     if mode is None:
         raise EncodingError(f"channels must be 1, 3 or 4, got {channels}")
     if not bytes(data[:4]) == b"RIFF" or not bytes(data[8:12]) == b"WEBP":
         raise CorruptInputError(f"not a WebP stream (starts with {bytes(data[:12])!r})")
+    if expect_size is not None:
+        info = probe_image(data, limits=limits)
+        if (info.height, info.width) != tuple(expect_size):
+            raise EnvelopeError(
+                f"WebP header declares {info.width}x{info.height} pixels, the envelope "
+                f"declares {expect_size[1]}x{expect_size[0]}; refused before decoding"
+            )
     return decode_image(data, mode=mode, limits=limits)
 
 

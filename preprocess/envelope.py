@@ -176,13 +176,23 @@ class Envelope:
         return array.reshape(self.shape)
 
     def _webp_array(self) -> npt.NDArray[np.uint8]:
-        assert self.shape is not None  # checked by the caller
-        chw = self.layout == "CHW"
-        channels = (self.shape[0] if chw else self.shape[2]) if len(self.shape) == 3 else 1
-        pixels = webp_decode(self.payload, channels=channels, limits=self.limits)
+        shape = self.shape or ()
+        if len(shape) not in (2, 3) or self.dtype != "uint8":
+            raise EnvelopeError(
+                f"a WebP payload holds a uint8 (H, W) or 3-d image, the header declares "
+                f"{self.dtype} {shape}"
+            )
+        chw = self.layout == "CHW" and len(shape) == 3
+        channels = (shape[0] if chw else shape[2]) if len(shape) == 3 else 1
+        height, width = shape[1:] if chw else shape[:2]
+        # The WebP header is checked against the declared shape before decoding:
+        # a few bytes of lossless WebP can declare a 40-megapixel canvas.
+        pixels = webp_decode(
+            self.payload, channels=channels, limits=self.limits, expect_size=(height, width)
+        )
         if chw:
             pixels = np.ascontiguousarray(pixels.transpose(2, 0, 1))
-        elif len(self.shape) == 2:
+        elif len(shape) == 2:
             pixels = pixels[:, :, 0]
         if pixels.shape != self.shape:
             raise EnvelopeError(

@@ -3,6 +3,7 @@ normalization fused into the forward pass on the device, class scores out."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from workers.exceptions import InvalidTensorError
-from workers.inputs import decode_array
+from workers.inputs import InputSpec, decode_array
 from workers.models.base import Prepared, ServedModel
 
 __all__ = ["ClassifierConfig", "ImageClassifier", "ImageClassifierNet", "TensorModel"]
@@ -149,7 +150,12 @@ class TensorModel(ServedModel):
         max_rows: int,
         max_bytes: int | None = None,
     ) -> Prepared:
-        array = decode_array(body, content_type, headers, max_bytes=max_bytes)
+        spec = InputSpec(self.row_shape, self.dtype.name, max_rows, self.name)
+        # Decoding (Brotli, WebP, .npy) runs in a thread: the event loop keeps
+        # answering other requests while a large body is decoded.
+        array = await asyncio.to_thread(
+            decode_array, body, content_type, dict(headers), max_bytes=max_bytes, spec=spec
+        )
         rows = self._rows_of(array, max_rows)
         return Prepared(inputs=(np.ascontiguousarray(rows),), rows=int(rows.shape[0]))
 
