@@ -14,7 +14,7 @@ from torch import nn
 
 from workers.exceptions import InvalidTensorError
 from workers.inputs import InputSpec, decode_array
-from workers.models.base import Prepared, ServedModel
+from workers.models.base import Prepared, ServedModel, require_finite
 
 __all__ = ["ClassifierConfig", "ImageClassifier", "ImageClassifierNet", "TensorModel"]
 
@@ -163,6 +163,7 @@ class TensorModel(ServedModel):
         return (np.zeros((rows, *self.row_shape), dtype=self.dtype),)
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
+        require_finite(self.name, output)
         return {"model": self.name, "version": self.version, "outputs": output.tolist()}
 
     def describe(self) -> dict[str, Any]:
@@ -200,6 +201,7 @@ class ImageClassifier(TensorModel):
         )
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
+        require_finite(self.name, output)
         shifted = output - output.max(axis=1, keepdims=True)
         probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
         k = min(self.top_k, output.shape[1])
