@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 
 
@@ -43,15 +45,16 @@ class WorkerProcess:
                 return int(line.split()[1]) * 1024
         raise AssertionError("no VmHWM in /proc status")
 
-    def metric(self, name: str) -> float:
-        """Sum of a metric's samples at /metrics (0 when absent)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels`` (0 when absent)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
             text = response.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and line[len(name)] in " {":
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     def post(
         self, path: str, body: bytes, content_type: str
