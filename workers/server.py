@@ -492,6 +492,7 @@ class InferenceServer:
                     "max_queue_size": self.batching.max_queue_size,
                     "queue_depth": slot.batcher.queue_depth,
                     "batches": stats.batches,
+                    "rows": stats.rows,
                     "completed": stats.completed,
                 }
             models.append(entry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -15,12 +15,13 @@ from torch import nn
 from workers.exceptions import InvalidTensorError
 from workers.inputs import InputSpec, decode_array
 from workers.models.base import Prepared, ServedModel, require_finite
+from workers.models.config import PlainConfig
 
 __all__ = ["ClassifierConfig", "ImageClassifier", "ImageClassifierNet", "TensorModel"]
 
 
 @dataclass(frozen=True, slots=True)
-class ClassifierConfig:
+class ClassifierConfig(PlainConfig):
     """Architecture of :class:`ImageClassifierNet`.
 
     Attributes:
@@ -38,21 +39,6 @@ class ClassifierConfig:
     hidden: tuple[int, ...] = (128,)
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.25, 0.25, 0.25)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only, so checkpoints load with ``torch.load(weights_only=True)``."""
-        return {
-            key: list(value) if isinstance(value, tuple) else value
-            for key, value in asdict(self).items()
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ClassifierConfig:
-        """Inverse of :meth:`to_dict`."""
-        fields: dict[str, Any] = {
-            key: tuple(value) if isinstance(value, list) else value for key, value in data.items()
-        }
-        return cls(**fields)
 
 
 class ImageClassifierNet(nn.Module):

@@ -12,7 +12,7 @@ import asyncio
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -24,6 +24,7 @@ from edge_cache import FeatureSchema
 from workers.exceptions import InvalidTensorError, MissingFeaturesError, UnsupportedMediaTypeError
 from workers.features import FeatureSource
 from workers.models.base import Prepared, ServedModel
+from workers.models.config import PlainConfig
 
 __all__ = ["MAX_ID_LENGTH", "RankRequest", "Ranker", "RankerConfig", "RankingNet"]
 
@@ -39,7 +40,7 @@ def _clip_id(entity_id: str, limit: int = 64) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class RankerConfig:
+class RankerConfig(PlainConfig):
     """Architecture and feature contract of :class:`RankingNet`.
 
     Attributes:
@@ -65,21 +66,6 @@ class RankerConfig:
             FeatureSchema.of(self.user_entity, self.user_features, personal=True),
             FeatureSchema.of(self.item_entity, self.item_features),
         ]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only (loads with ``weights_only=True``)."""
-        return {
-            key: list(value) if isinstance(value, tuple) else value
-            for key, value in asdict(self).items()
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RankerConfig:
-        """Inverse of :meth:`to_dict`."""
-        fields: dict[str, Any] = {
-            key: tuple(value) if isinstance(value, list) else value for key, value in data.items()
-        }
-        return cls(**fields)
 
 
 class RankingNet(nn.Module):
