@@ -141,3 +141,33 @@ async def test_a_megabyte_item_id_is_not_echoed_back() -> None:
             assert status in (400, 422), text[:200]
             assert len(text) < 4096, f"{len(text)}-byte error answer"
             assert "error" in _strict_json(text)
+
+
+async def test_request_bodies_are_decoded_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large or hostile body must not stall every other request on the loop."""
+    import threading
+
+    import workers.models.classifier as classifier
+
+    threads: list[threading.Thread] = []
+    real = classifier.decode_array
+
+    def recording(*args: Any, **kwargs: Any) -> np.ndarray:
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(classifier, "decode_array", recording)
+    model = TensorModel("reciprocal", _Reciprocal(), (2,), "float32")
+    async with (
+        InferenceServer([model]) as server,
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{server.url}/v1/models/reciprocal/infer",
+            data=encode_npy(np.array([[1.0, 2.0]], np.float32)),
+            headers={"Content-Type": NPY_TYPE},
+        ) as response,
+    ):
+        assert response.status == 200
+    assert threads and threads[0] is not threading.main_thread()
