@@ -24,6 +24,7 @@ round-trip exactly.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import zlib
@@ -150,7 +151,7 @@ class Envelope:
             )
         native = np.dtype(self.dtype)
         wire = native.newbyteorder("<")
-        expected = int(np.prod(self.shape, dtype=np.int64)) * native.itemsize
+        expected = math.prod(self.shape) * native.itemsize  # exact: no int64 wrap-around
         if self.encoding in ("webp", "webp-lossless"):
             return self._webp_array()
         if self.encoding == "arrow":
@@ -466,7 +467,8 @@ def decode_envelope(
         if dtype not in _DTYPES:
             raise EnvelopeError(f"envelope dtype {dtype!r} is not a supported numeric dtype")
         shape = tuple(shape_value)
-        nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+        # Python ints: JSON sizes are unbounded and must neither overflow nor wrap.
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if nbytes > limits.max_decoded_bytes:
             raise EnvelopeError(
                 f"envelope declares a {nbytes}-byte array, over Limits.max_decoded_bytes "

@@ -17,6 +17,8 @@ touches its types.
 from __future__ import annotations
 
 import io
+import math
+import tokenize
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -158,7 +160,7 @@ def _npy_header(body: bytes) -> tuple[tuple[int, ...], np.dtype[np.generic]]:
             shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
         else:
             shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as exc:
         raise InvalidTensorError(
             f"body is not a valid .npy array without pickles ({_clip(str(exc))}); "
             "write it with numpy.save(..., allow_pickle=False)"
@@ -178,7 +180,7 @@ def _decode_npy(body: bytes, spec: InputSpec | None = None) -> np.ndarray:
             "body is not a valid .npy array without pickles (it holds Python objects); "
             "write it with numpy.save(..., allow_pickle=False)"
         )
-    declared = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    declared = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
     if declared > len(body):
         raise InvalidTensorError(
             f"body is not a valid .npy array: its header declares {declared} bytes of data "
@@ -223,7 +225,7 @@ def _decode_raw(body: bytes, headers: Mapping[str, str]) -> np.ndarray:
             f"{DTYPE_HEADER} {dtype_text!r} is not one of: {', '.join(sorted(_ALLOWED_DTYPES))}"
         )
     dtype = np.dtype(dtype_text).newbyteorder("<")
-    expected = int(np.prod(shape)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if len(body) != expected:
         raise InvalidTensorError(
             f"body has {len(body)} bytes but shape {shape} of {dtype_text} needs {expected}"

@@ -149,6 +149,8 @@ _HEADER_EDITS = st.fixed_dictionaries(
     optional={
         "shape": st.one_of(
             st.lists(st.integers(min_value=-2, max_value=2**40), max_size=9),
+            # JSON integers are unbounded: products past float and int64 range.
+            st.lists(st.integers(min_value=2**31, max_value=10**400), min_size=1, max_size=8),
             st.lists(st.integers(min_value=0, max_value=64), min_size=1, max_size=4),
             _JSON_VALUES,
         ),
