@@ -9,6 +9,7 @@ decoding, Arrow IPC is read uncompressed so its size is bounded by the input.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ __all__ = [
     "arrow_decode_tensor",
     "arrow_encode_table",
     "arrow_encode_tensor",
+    "brotli_chunks",
     "brotli_compress",
     "brotli_decompress",
     "webp_decode",
@@ -196,9 +198,21 @@ def brotli_decompress(
             f"{limits.max_input_bytes} (Limits.max_input_bytes)"
         )
     bound = limits.max_decoded_bytes if max_output is None else max_output
+    return b"".join(brotli_chunks(data, bound))
+
+
+def brotli_chunks(data: bytes | bytearray | memoryview, bound: int) -> Iterator[bytes]:
+    """Decompress a Brotli stream in chunks of at most 64 KiB, never past ``bound`` bytes.
+
+    Lets a caller write the output straight into its destination (an array of
+    the declared size) instead of holding the chunks and their concatenation.
+
+    Raises:
+        DecompressionBombError: the output would pass ``bound``.
+        CorruptInputError: not a valid, complete Brotli stream.
+    """
     lib = _brotli()
     decompressor = lib.Decompressor()
-    parts: list[bytes] = []
     total = 0
     view = memoryview(bytes(data))
     position = 0
@@ -218,7 +232,8 @@ def brotli_decompress(
                     f"Brotli payload expands past {bound} bytes (Limits.max_decoded_bytes); "
                     "decoding stopped"
                 )
-            parts.append(part)
+            if part:
+                yield part
             if decompressor.is_finished():
                 break
             if not chunk and not part and position >= len(view):
@@ -229,7 +244,6 @@ def brotli_decompress(
         raise CorruptInputError(f"invalid Brotli stream: {exc}") from None
     if position < len(view):
         raise CorruptInputError("Brotli stream has trailing bytes after its end")
-    return b"".join(parts)
 
 
 def arrow_encode_tensor(array: npt.NDArray[Any]) -> bytes:

@@ -42,6 +42,7 @@ from preprocess.codecs import (
     arrow_decode_tensor,
     arrow_encode_table,
     arrow_encode_tensor,
+    brotli_chunks,
     brotli_compress,
     brotli_decompress,
     webp_decode,
@@ -162,10 +163,9 @@ class Envelope:
                     f"{self.dtype} {self.shape}"
                 )
             return array
-        if self.encoding == "brotli":
-            raw = brotli_decompress(self.payload, max_output=expected, limits=self.limits)
-        else:
-            raw = self.payload
+        raw: bytes | bytearray = (
+            self._brotli_exact(expected) if self.encoding == "brotli" else self.payload
+        )
         if len(raw) != expected:
             raise EnvelopeError(
                 f"payload decodes to {len(raw)} bytes, the header's shape {self.shape} of "
@@ -175,6 +175,25 @@ class Envelope:
         if wire != native:  # big-endian host: swap once into native order
             array = array.astype(native)
         return array.reshape(self.shape)
+
+    def _brotli_exact(self, expected: int) -> bytearray:
+        """Decompress into a buffer of the declared size: one copy of the output, no more."""
+        if len(self.payload) > self.limits.max_input_bytes:
+            raise InputTooLargeError(
+                f"compressed payload is {len(self.payload)} bytes, over the limit of "
+                f"{self.limits.max_input_bytes} (Limits.max_input_bytes)"
+            )
+        out = bytearray(expected)
+        filled = 0
+        for part in brotli_chunks(self.payload, expected):
+            out[filled : filled + len(part)] = part
+            filled += len(part)
+        if filled != expected:
+            raise EnvelopeError(
+                f"payload decodes to {filled} bytes, the header's shape {self.shape} of "
+                f"{self.dtype} needs {expected}"
+            )
+        return out
 
     def _webp_array(self) -> npt.NDArray[np.uint8]:
         shape = self.shape or ()

@@ -112,15 +112,18 @@ def test_a_small_16_bit_png_near_the_pixel_limit_decodes_in_bounded_memory(
     assert path.stat().st_size < 120_000
     script = textwrap.dedent(
         f"""
-        import resource
+        from pathlib import Path
         from PIL import Image
         from preprocess import get_profile, preprocess_image
         data = open({str(path)!r}, "rb").read()
         profile = get_profile("imagenet-224")
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        def peak():  # VmHWM: this process's own peak (ru_maxrss inherits the parent's)
+            status = Path("/proc/self/status").read_text().split("VmHWM:")[1]
+            return int(status.split()[0])
+        before = peak()
         for fast in (False, True):
             assert preprocess_image(data, profile, fast=fast).shape == (3, 224, 224)
-        print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        print(before, peak())
         """
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
@@ -171,3 +174,30 @@ def test_a_webp_envelope_with_a_non_image_shape_is_a_typed_error(shape: list[int
     )
     with pytest.raises(EnvelopeError, match="WebP payload holds"):
         envelope.to_numpy()
+
+
+def test_a_brotli_tensor_decodes_into_one_buffer_of_its_declared_size(tmp_path: Path) -> None:
+    """Peak memory of decoding a 64 MiB Brotli tensor: the array, not the array twice."""
+    from preprocess import encode_envelope
+
+    path = tmp_path / "zeros.efe"
+    array = np.zeros((4096, 4096, 4), np.uint8)
+    path.write_bytes(encode_envelope(array, content_type="application/x-tensor", encoding="brotli"))
+    del array
+    script = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from preprocess import decode_envelope
+        data = open({str(path)!r}, "rb").read()
+        def peak():  # VmHWM: this process's own peak (ru_maxrss inherits the parent's)
+            status = Path("/proc/self/status").read_text().split("VmHWM:")[1]
+            return int(status.split()[0])
+        before = peak()
+        array = decode_envelope(data).to_numpy()
+        assert array.shape == (4096, 4096, 4) and not array.any()
+        print(before, peak())
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    before, after = (int(value) * 1024 for value in run.stdout.split())
+    assert after - before < 96 * 1024 * 1024, f"peak grew by {(after - before) / 2**20:.0f} MiB"
