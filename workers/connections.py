@@ -7,8 +7,9 @@ connections. :class:`GuardedTCPSite` listens like ``web.TCPSite`` but wraps
 each connection's protocol in :class:`_GuardedProtocol`:
 
 * a connection must deliver a request's headers within ``header_timeout_s``
-  of opening, and of the end of its previous request (which also closes idle
-  keep-alive connections after that long); otherwise it is closed;
+  of opening, and of the first byte of each later request; otherwise it is
+  closed (an idle keep-alive connection, which sends nothing, is left to
+  aiohttp's own ``keepalive_timeout``);
 * past ``max_connections`` open connections a new one is answered ``503``
   with ``Retry-After`` and closed at once.
 
@@ -83,11 +84,10 @@ class ConnectionGuard:
             guarded.disarm()
 
     def request_finished(self, request: web.BaseRequest) -> None:
-        """Answered: the next request's headers are due within the header timeout."""
+        """Answered: the next request's deadline starts with its first byte."""
         guarded = self._by_handler.get(request.protocol)
         if guarded is not None:
             guarded.busy = False
-            guarded.arm()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -153,8 +153,11 @@ class _GuardedProtocol(asyncio.Protocol):
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if not self.refused:
-            self.inner.data_received(data)
+        if self.refused:
+            return
+        if not self.busy and self._deadline is None:
+            self.arm()  # the first byte of a new request starts its header deadline
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         if not self.refused:

@@ -81,12 +81,14 @@ class ServerConfig:
         max_payload_bytes: Largest request body accepted (413 beyond).
         drain_timeout_s: How long shutdown waits for queued requests.
         header_timeout_s: Longest a connection may take to send a request's
-            headers, counted from its opening and from the end of its previous
-            request (an idle keep-alive connection is closed after that long too).
+            headers, counted from its opening and from the first byte of each
+            later request.
         body_timeout_s: Longest a request's body may take to arrive once its
             headers have (408 beyond).
         max_connections: Most client connections open at once; past it a new
             connection is answered 503 with ``Retry-After`` and closed.
+        keepalive_timeout_s: How long an idle keep-alive connection stays open
+            between requests (aiohttp's own default is an hour).
     """
 
     host: str = "127.0.0.1"
@@ -97,9 +99,15 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 1000
+    keepalive_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "max_connections"):
+        for name in (
+            "header_timeout_s",
+            "body_timeout_s",
+            "max_connections",
+            "keepalive_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not value > 0:
                 raise WorkerConfigError(f"ServerConfig.{name} must be positive, got {value!r}")
@@ -219,7 +227,10 @@ class InferenceServer:
     async def start(self, wait_ready: bool = True) -> None:
         """Listen, then load and warm up the models (readiness turns 200 after)."""
         self._runner = web.AppRunner(
-            self.make_app(), access_log=None, shutdown_timeout=self.config.drain_timeout_s
+            self.make_app(),
+            access_log=None,
+            shutdown_timeout=self.config.drain_timeout_s,
+            keepalive_timeout=self.config.keepalive_timeout_s,
         )
         await self._runner.setup()
         self._site = GuardedTCPSite(self._runner, self.config.host, self.config.port, self._guard)

@@ -37,6 +37,7 @@ class WorkerSettings(BaseSettings):
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=1000, ge=1)
+    keepalive_timeout_s: float = Field(default=15.0, gt=0)
 
     def batching(self) -> BatchingConfig:
         """The batcher's view."""
@@ -71,4 +72,5 @@ class WorkerSettings(BaseSettings):
             header_timeout_s=self.header_timeout_s,
             body_timeout_s=self.body_timeout_s,
             max_connections=self.max_connections,
+            keepalive_timeout_s=self.keepalive_timeout_s,
         )

@@ -107,7 +107,11 @@ def test_slowloris_connections_are_closed_after_the_header_timeout() -> None:
 
 
 def test_connections_past_the_cap_get_503_with_retry_after() -> None:
-    env = {"EDGEFEED_WORKERS_MAX_CONNECTIONS": "20", "EDGEFEED_WORKERS_HEADER_TIMEOUT_S": "120"}
+    env = {
+        "EDGEFEED_WORKERS_MAX_CONNECTIONS": "20",
+        "EDGEFEED_WORKERS_HEADER_TIMEOUT_S": "120",
+        "EDGEFEED_WORKERS_KEEPALIVE_TIMEOUT_S": "120",
+    }
     with worker_process("--model", "image-classifier", env=env) as worker:
         idle = [_connect(worker) for _ in range(20)]
         try:
