@@ -9,6 +9,7 @@ decoding, Arrow IPC is read uncompressed so its size is bounded by the input.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,11 @@ from preprocess.exceptions import (
     CorruptInputError,
     DecompressionBombError,
     EncodingError,
+    EnvelopeError,
     InputTooLargeError,
     UnsupportedInputError,
 )
-from preprocess.image import decode_image
+from preprocess.image import decode_image, probe_image
 from preprocess.limits import DEFAULT_LIMITS, Limits
 
 try:
@@ -37,6 +39,7 @@ __all__ = [
     "arrow_decode_tensor",
     "arrow_encode_table",
     "arrow_encode_tensor",
+    "brotli_chunks",
     "brotli_compress",
     "brotli_decompress",
     "webp_decode",
@@ -116,17 +119,34 @@ def webp_decode(
     *,
     channels: int = 3,
     limits: Limits = DEFAULT_LIMITS,
+    expect_size: tuple[int, int] | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Decode WebP to a uint8 ``(H, W, channels)`` array (channels 1, 3 or 4).
 
+    Args:
+        data: The WebP stream.
+        channels: 1, 3 or 4.
+        limits: Input and pixel bounds.
+        expect_size: ``(height, width)`` the caller expects; the stream's header is
+            checked against it before any pixel is decoded, so a small stream that
+            declares a huge canvas costs nothing.
+
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
+        EnvelopeError: the header's size differs from ``expect_size``.
     """
     mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels)
     if mode is None:
         raise EncodingError(f"channels must be 1, 3 or 4, got {channels}")
     if not bytes(data[:4]) == b"RIFF" or not bytes(data[8:12]) == b"WEBP":
         raise CorruptInputError(f"not a WebP stream (starts with {bytes(data[:12])!r})")
+    if expect_size is not None:
+        info = probe_image(data, limits=limits)
+        if (info.height, info.width) != tuple(expect_size):
+            raise EnvelopeError(
+                f"WebP header declares {info.width}x{info.height} pixels, the envelope "
+                f"declares {expect_size[1]}x{expect_size[0]}; refused before decoding"
+            )
     return decode_image(data, mode=mode, limits=limits)
 
 
@@ -178,9 +198,21 @@ def brotli_decompress(
             f"{limits.max_input_bytes} (Limits.max_input_bytes)"
         )
     bound = limits.max_decoded_bytes if max_output is None else max_output
+    return b"".join(brotli_chunks(data, bound))
+
+
+def brotli_chunks(data: bytes | bytearray | memoryview, bound: int) -> Iterator[bytes]:
+    """Decompress a Brotli stream in chunks of at most 64 KiB, never past ``bound`` bytes.
+
+    Lets a caller write the output straight into its destination (an array of
+    the declared size) instead of holding the chunks and their concatenation.
+
+    Raises:
+        DecompressionBombError: the output would pass ``bound``.
+        CorruptInputError: not a valid, complete Brotli stream.
+    """
     lib = _brotli()
     decompressor = lib.Decompressor()
-    parts: list[bytes] = []
     total = 0
     view = memoryview(bytes(data))
     position = 0
@@ -200,7 +232,8 @@ def brotli_decompress(
                     f"Brotli payload expands past {bound} bytes (Limits.max_decoded_bytes); "
                     "decoding stopped"
                 )
-            parts.append(part)
+            if part:
+                yield part
             if decompressor.is_finished():
                 break
             if not chunk and not part and position >= len(view):
@@ -211,7 +244,6 @@ def brotli_decompress(
         raise CorruptInputError(f"invalid Brotli stream: {exc}") from None
     if position < len(view):
         raise CorruptInputError("Brotli stream has trailing bytes after its end")
-    return b"".join(parts)
 
 
 def arrow_encode_tensor(array: npt.NDArray[Any]) -> bytes:

@@ -24,6 +24,7 @@ round-trip exactly.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import zlib
@@ -41,6 +42,7 @@ from preprocess.codecs import (
     arrow_decode_tensor,
     arrow_encode_table,
     arrow_encode_tensor,
+    brotli_chunks,
     brotli_compress,
     brotli_decompress,
     webp_decode,
@@ -150,7 +152,7 @@ class Envelope:
             )
         native = np.dtype(self.dtype)
         wire = native.newbyteorder("<")
-        expected = int(np.prod(self.shape, dtype=np.int64)) * native.itemsize
+        expected = math.prod(self.shape) * native.itemsize  # exact: no int64 wrap-around
         if self.encoding in ("webp", "webp-lossless"):
             return self._webp_array()
         if self.encoding == "arrow":
@@ -161,10 +163,9 @@ class Envelope:
                     f"{self.dtype} {self.shape}"
                 )
             return array
-        if self.encoding == "brotli":
-            raw = brotli_decompress(self.payload, max_output=expected, limits=self.limits)
-        else:
-            raw = self.payload
+        raw: bytes | bytearray = (
+            self._brotli_exact(expected) if self.encoding == "brotli" else self.payload
+        )
         if len(raw) != expected:
             raise EnvelopeError(
                 f"payload decodes to {len(raw)} bytes, the header's shape {self.shape} of "
@@ -175,14 +176,43 @@ class Envelope:
             array = array.astype(native)
         return array.reshape(self.shape)
 
+    def _brotli_exact(self, expected: int) -> bytearray:
+        """Decompress into a buffer of the declared size: one copy of the output, no more."""
+        if len(self.payload) > self.limits.max_input_bytes:
+            raise InputTooLargeError(
+                f"compressed payload is {len(self.payload)} bytes, over the limit of "
+                f"{self.limits.max_input_bytes} (Limits.max_input_bytes)"
+            )
+        out = bytearray(expected)
+        filled = 0
+        for part in brotli_chunks(self.payload, expected):
+            out[filled : filled + len(part)] = part
+            filled += len(part)
+        if filled != expected:
+            raise EnvelopeError(
+                f"payload decodes to {filled} bytes, the header's shape {self.shape} of "
+                f"{self.dtype} needs {expected}"
+            )
+        return out
+
     def _webp_array(self) -> npt.NDArray[np.uint8]:
-        assert self.shape is not None  # checked by the caller
-        chw = self.layout == "CHW"
-        channels = (self.shape[0] if chw else self.shape[2]) if len(self.shape) == 3 else 1
-        pixels = webp_decode(self.payload, channels=channels, limits=self.limits)
+        shape = self.shape or ()
+        if len(shape) not in (2, 3) or self.dtype != "uint8":
+            raise EnvelopeError(
+                f"a WebP payload holds a uint8 (H, W) or 3-d image, the header declares "
+                f"{self.dtype} {shape}"
+            )
+        chw = self.layout == "CHW" and len(shape) == 3
+        channels = (shape[0] if chw else shape[2]) if len(shape) == 3 else 1
+        height, width = shape[1:] if chw else shape[:2]
+        # The WebP header is checked against the declared shape before decoding:
+        # a few bytes of lossless WebP can declare a 40-megapixel canvas.
+        pixels = webp_decode(
+            self.payload, channels=channels, limits=self.limits, expect_size=(height, width)
+        )
         if chw:
             pixels = np.ascontiguousarray(pixels.transpose(2, 0, 1))
-        elif len(self.shape) == 2:
+        elif len(shape) == 2:
             pixels = pixels[:, :, 0]
         if pixels.shape != self.shape:
             raise EnvelopeError(
@@ -456,7 +486,8 @@ def decode_envelope(
         if dtype not in _DTYPES:
             raise EnvelopeError(f"envelope dtype {dtype!r} is not a supported numeric dtype")
         shape = tuple(shape_value)
-        nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+        # Python ints: JSON sizes are unbounded and must neither overflow nor wrap.
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if nbytes > limits.max_decoded_bytes:
             raise EnvelopeError(
                 f"envelope declares a {nbytes}-byte array, over Limits.max_decoded_bytes "

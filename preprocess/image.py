@@ -33,6 +33,7 @@ from preprocess.exceptions import (
     PreprocessError,
     UnsupportedInputError,
 )
+from preprocess.jpeg import check_jpeg
 from preprocess.limits import DEFAULT_LIMITS, Limits
 from preprocess.profiles import ImageProfile
 
@@ -63,6 +64,12 @@ _OTHER_FORMATS = (
     (b"MM\x00*", "TIFF"),
     (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
 )
+# Bytes per pixel Pillow keeps for each mode (RGB and LA are padded to 4).
+_STORED_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "LA": 4, "PA": 4}
+# Rows of pixels converted at a time from 16 bits to 8: bounds the temporaries.
+_CONVERT_ROWS = 256
+# Bytes inserted before the EOI marker to tell a complete JPEG from a cut one.
+_FILLER = bytes(range(1, 255)) * 2
 # Errors Pillow's decoders raise on damaged input.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error)
 
@@ -137,6 +144,15 @@ def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int]:
             f"image declares {width}x{height} = {width * height} pixels, over the limit of "
             f"{limits.max_pixels} (Limits.max_pixels); refused before decoding"
         )
+    working = width * height * (_STORED_BYTES.get(image.mode, 4) + 3)
+    if working > limits.max_image_bytes:
+        raise DecompressionBombError(
+            f"image of {width}x{height} {image.mode} pixels needs about {working} bytes "
+            f"decoded, over the limit of {limits.max_image_bytes} (Limits.max_image_bytes); "
+            "refused before decoding"
+        )
+    if image.format in ("JPEG", "MPO"):
+        check_jpeg(data, limits)
     try:
         orientation = int(image.getexif().get(0x0112, 1))
     except _DECODE_ERRORS:
@@ -178,7 +194,7 @@ def _orient(image: Image.Image, orientation: int) -> Image.Image:
     return image if method is None else image.transpose(method)
 
 
-def _load(image: Image.Image) -> None:
+def _load(image: Image.Image, data: bytes) -> None:
     try:
         image.load()
     except Image.DecompressionBombError as exc:
@@ -187,17 +203,78 @@ def _load(image: Image.Image) -> None:
         raise CorruptInputError(
             f"image data is truncated or damaged ({exc}); re-encode or resend the file"
         ) from None
+    if image.format in ("JPEG", "MPO") and _grey_tail(image) and _cut_short(data):
+        raise CorruptInputError(
+            "JPEG data stops before the image does (an end-of-image marker cuts a scan "
+            "short; the rest would be grey fill); resend the whole file"
+        )
+
+
+def _grey_tail(image: Image.Image) -> bool:
+    """True when the last pixel is exactly mid-grey: what libjpeg fills a cut scan with.
+
+    The last block is always among the blocks a cut file lacks.
+    """
+    if image.mode not in ("L", "RGB") or image.width == 0 or image.height == 0:
+        return False
+    last = image.getpixel((image.width - 1, image.height - 1))
+    values = last if isinstance(last, tuple) else (last,)
+    return all(value == 128 for value in values)
+
+
+def _cut_short(data: bytes) -> bool:
+    """Decode twice, the second time with bytes inserted before the EOI marker.
+
+    Bytes after a complete scan are skipped by libjpeg (extraneous data), so a
+    whole file decodes the same; a cut scan decodes them as image data. Only
+    run for files whose last pixel is grey fill, so ordinary files pay nothing.
+    """
+    end = data.rfind(b"\xff\xd9")
+    if end < 0:
+        return False
+    padded = data[:end] + _FILLER + data[end:]
+    try:
+        with Image.open(io.BytesIO(data), formats=_FORMATS) as first:
+            first.load()
+            whole = np.asarray(first)
+        with Image.open(io.BytesIO(padded), formats=_FORMATS) as second:
+            second.load()
+            again = np.asarray(second)
+    except _DECODE_ERRORS:
+        return True
+    return whole.shape != again.shape or not np.array_equal(whole, again)
+
+
+_GREY = frozenset({"1", "L", "I;16", "I;16B", "I;16L", "I"})
+
+
+def _work_mode(image: Image.Image, mode: str) -> str:
+    """The mode to resample in: a greyscale source stays one channel until the end.
+
+    Resampling is per channel, so resizing in ``L`` and expanding to ``RGB``
+    afterwards gives the same pixels as expanding first, at a quarter of the
+    memory (Pillow keeps RGB in 4 bytes a pixel).
+    """
+    return "L" if mode == "RGB" and image.mode in _GREY else mode
 
 
 def _to_mode(image: Image.Image, mode: str) -> Image.Image:
     if image.mode == mode:
         return image
     if image.mode in ("I;16", "I;16B", "I;16L", "I") and mode in ("RGB", "L"):
-        # 16-bit greyscale: scale to 8 bits instead of clipping at 255.
-        array = np.asarray(image, dtype=np.uint32)
-        peak = 65535 if image.mode.startswith("I;16") else max(int(array.max()), 1)
-        image = Image.fromarray((array * 255 // peak).astype(np.uint8), mode="L")
-        return image if mode == "L" else image.convert(mode)
+        # 16-bit greyscale: scale to 8 bits instead of clipping at 255, a band of
+        # rows at a time so no full-size 16- or 32-bit copy is ever made.
+        width, height = image.size
+        peak = 65535
+        if not image.mode.startswith("I;16"):
+            extrema = image.getextrema()
+            peak = max(int(extrema[1]), 1) if isinstance(extrema[1], int | float) else 65535
+        out = np.empty((height, width), dtype=np.uint8)
+        for top in range(0, height, _CONVERT_ROWS):
+            band = np.asarray(image.crop((0, top, width, min(top + _CONVERT_ROWS, height))))
+            out[top : top + _CONVERT_ROWS] = band.astype(np.uint32) * 255 // peak
+        grey = Image.fromarray(out, mode="L")
+        return grey if mode == "L" else grey.convert(mode)
     return image.convert(mode)
 
 
@@ -212,8 +289,9 @@ def decode_image(
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
-    image, orientation = _open(_check_bytes(data, limits), limits)
-    _load(image)
+    raw = _check_bytes(data, limits)
+    image, orientation = _open(raw, limits)
+    _load(image, raw)
     image = _to_mode(_orient(image, orientation), mode)
     array = np.asarray(image, dtype=np.uint8)
     return array[:, :, None] if array.ndim == 2 else array
@@ -272,9 +350,9 @@ def _geometry_reference(image: Image.Image, profile: ImageProfile) -> Image.Imag
 
 def _pixels_reference(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
     image, orientation = _open(data, limits)
-    _load(image)
-    image = _to_mode(_orient(image, orientation), profile.mode)
-    return _geometry_reference(image, profile)
+    _load(image, data)
+    image = _to_mode(_orient(image, orientation), _work_mode(image, profile.mode))
+    return _to_mode(_geometry_reference(image, profile), profile.mode)
 
 
 def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
@@ -296,8 +374,8 @@ def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Im
             # The box is the original image inside the scaled one: its width is
             # stored_w / scale, the DCT scale factor (1, 2, 4 or 8).
             scale = stored_w / drafted[1][2]
-    _load(image)
-    image = _to_mode(_orient(image, orientation), profile.mode)
+    _load(image, data)
+    image = _to_mode(_orient(image, orientation), _work_mode(image, profile.mode))
     factor = 1.0 / scale
     crop = _crop_box(resized, profile)
     if crop is not None:
@@ -317,7 +395,7 @@ def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Im
         )
     if profile.fit == "letterbox":
         image = _letterbox(image, profile)
-    return image
+    return _to_mode(image, profile.mode)
 
 
 @lru_cache(maxsize=64)

@@ -19,14 +19,31 @@ class Limits:
             pixel, so a small file that declares a huge canvas is refused cheaply.
         max_decoded_bytes: Largest output of a Brotli stream. Decompression stops
             as soon as the output would pass it.
+        max_image_bytes: Largest memory one decoded image may take: its pixels
+            times the bytes per pixel of its stored mode (Pillow keeps RGB in 4,
+            16-bit greyscale in 2) plus the uint8 RGB copy the pipeline works on.
+            Checked from the header (mode, bit depth, bands) before decoding, so a
+            small 16-bit PNG cannot cost more than an 8-bit one of the same budget.
+        max_jpeg_scans: Most scans a JPEG may hold. Each scan of a progressive
+            JPEG is a pass over the whole image, so the scan count bounds decode
+            CPU time; ordinary progressive files hold 6 to 12. Counted from the
+            markers before decoding.
     """
 
     max_input_bytes: int = 32 * 1024 * 1024
     max_pixels: int = 40_000_000
     max_decoded_bytes: int = 64 * 1024 * 1024
+    max_image_bytes: int = 320 * 1024 * 1024
+    max_jpeg_scans: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_input_bytes", "max_pixels", "max_decoded_bytes"):
+        for name in (
+            "max_input_bytes",
+            "max_pixels",
+            "max_decoded_bytes",
+            "max_image_bytes",
+            "max_jpeg_scans",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")

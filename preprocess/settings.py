@@ -19,6 +19,9 @@ class PreprocessSettings(BaseModel):
         max_input_bytes: Largest encoded input (image, envelope) accepted.
         max_pixels: Largest image, in pixels, as declared by its header.
         max_decoded_bytes: Largest output of a Brotli stream or declared array.
+        max_image_bytes: Largest memory one decoded image may take (see
+            :class:`~preprocess.limits.Limits`).
+        max_jpeg_scans: Most scans a JPEG may hold (bounds decode CPU time).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -28,6 +31,8 @@ class PreprocessSettings(BaseModel):
     max_input_bytes: int = Field(default=DEFAULT_LIMITS.max_input_bytes, gt=0)
     max_pixels: int = Field(default=DEFAULT_LIMITS.max_pixels, gt=0)
     max_decoded_bytes: int = Field(default=DEFAULT_LIMITS.max_decoded_bytes, gt=0)
+    max_image_bytes: int = Field(default=DEFAULT_LIMITS.max_image_bytes, gt=0)
+    max_jpeg_scans: int = Field(default=DEFAULT_LIMITS.max_jpeg_scans, gt=0)
 
     @field_validator("profile")
     @classmethod
@@ -41,4 +46,6 @@ class PreprocessSettings(BaseModel):
             max_input_bytes=self.max_input_bytes,
             max_pixels=self.max_pixels,
             max_decoded_bytes=self.max_decoded_bytes,
+            max_image_bytes=self.max_image_bytes,
+            max_jpeg_scans=self.max_jpeg_scans,
         )

@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -103,7 +103,12 @@ class BatchResult:
 
 @dataclass(slots=True)
 class BatcherStats:
-    """Counters since start (read by tests, ``/v1/models`` and metrics)."""
+    """Counters since start (read by tests, ``/v1/models`` and metrics).
+
+    Counters only, so the stats never grow with the server's life: ``rows`` is
+    the rows run in all batches (``rows / batches`` is the mean batch size); the
+    batch-size distribution is the ``edgefeed_worker_batch_rows`` histogram.
+    """
 
     admitted: int = 0
     completed: int = 0
@@ -112,7 +117,7 @@ class BatcherStats:
     rejected_draining: int = 0
     rejected_deadline: int = 0
     failed: int = 0
-    batch_rows: list[int] = field(default_factory=list)
+    rows: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -354,7 +359,7 @@ class DynamicBatcher:
             self._running_until = None
         finished = time.monotonic()
         self.stats.batches += 1
-        self.stats.batch_rows.append(rows)
+        self.stats.rows += rows
         if self._on_batch is not None:
             self._on_batch(rows, model_s)
         for item, output in zip(batch, outputs, strict=True):

@@ -12,6 +12,7 @@ from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
     "BadRequestError",
+    "ClientDisconnectedError",
     "DeadlineExceededError",
     "DrainingError",
     "FeatureLookupError",
@@ -19,9 +20,11 @@ __all__ = [
     "MissingFeaturesError",
     "ModelExecutionError",
     "ModelLoadError",
+    "NonFiniteOutputError",
     "OverloadedError",
     "PayloadTooLargeError",
     "QueueFullError",
+    "RequestTimeoutError",
     "UnknownModelError",
     "UnsupportedMediaTypeError",
     "WorkerConfigError",
@@ -142,6 +145,38 @@ class ModelExecutionError(WorkersError):
 
     retryable = True
     http_status = 500
+
+
+class NonFiniteOutputError(WorkersError):
+    """The model produced NaN or infinity for this request's rows.
+
+    JSON has no NaN or Infinity (answering them makes the body unparseable by
+    strict clients), and a class probability computed from a NaN logit means
+    nothing, so the request fails with HTTP 500 naming the row and column.
+    Not retryable: the same input through the same weights gives the same value.
+    """
+
+    http_status = 500
+
+
+class ClientDisconnectedError(WorkersError):
+    """The client closed the connection before its request body arrived.
+
+    Nobody is left to answer; the server counts it apart from errors
+    (``edgefeed_worker_client_aborts``) and logs one line.
+    """
+
+    http_status = 499
+
+
+class RequestTimeoutError(BadRequestError):
+    """The request's body did not arrive within ``ServerConfig.body_timeout_s``.
+
+    A slow or stalled client must not hold a connection and a request slot;
+    send the body at once (or raise the timeout for slow links).
+    """
+
+    http_status = 408
 
 
 class WorkerResponseError(WorkersError):

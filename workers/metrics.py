@@ -1,4 +1,11 @@
-"""Prometheus metrics of a worker, on a registry of its own (one per server)."""
+"""Prometheus metrics of a worker.
+
+One rule for the whole project: components take a registry, the composition
+root supplies it, nothing registers at import. :class:`WorkerMetrics` registers
+its series on the registry it is given (a fresh private one when none is, so
+two servers in one process never collide); :class:`~workers.server.InferenceServer`
+takes that registry from its caller.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +37,11 @@ class WorkerMetrics:
     forward_seconds: Histogram = field(init=False)
     queue_depth: Gauge = field(init=False)
     ready: Gauge = field(init=False)
+    nonfinite_outputs: Counter = field(init=False)
+    client_aborts: Counter = field(init=False)
+    slow_clients: Counter = field(init=False)
+    connections: Gauge = field(init=False)
+    connections_refused: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         labels = ["region", "model"]
@@ -75,6 +87,36 @@ class WorkerMetrics:
         self.ready = Gauge(
             "edgefeed_worker_ready",
             "1 when the worker accepts requests",
+            ["region"],
+            registry=self.registry,
+        )
+        self.nonfinite_outputs = Counter(
+            "edgefeed_worker_nonfinite_outputs",
+            "NaN or infinite values in model outputs (answered as 500, or null scores)",
+            labels,
+            registry=self.registry,
+        )
+        self.client_aborts = Counter(
+            "edgefeed_worker_client_aborts",
+            "Requests whose client disconnected before its body arrived (not errors)",
+            labels,
+            registry=self.registry,
+        )
+        self.slow_clients = Counter(
+            "edgefeed_worker_slow_clients",
+            "Connections closed for sending headers or body too slowly, by phase",
+            ["region", "phase"],
+            registry=self.registry,
+        )
+        self.connections = Gauge(
+            "edgefeed_worker_connections",
+            "Open client connections",
+            ["region"],
+            registry=self.registry,
+        )
+        self.connections_refused = Counter(
+            "edgefeed_worker_connections_refused",
+            "Connections refused (503) because max_connections were open",
             ["region"],
             registry=self.registry,
         )

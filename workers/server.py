@@ -37,19 +37,25 @@ try:
     from aiohttp import web
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("the model workers need aiohttp: pip install 'edgefeed[workers]'") from exc
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from workers.batcher import BatchingConfig, DynamicBatcher
+from workers.connections import ConnectionGuard, GuardedTCPSite
 from workers.exceptions import (
     BadRequestError,
+    ClientDisconnectedError,
     DeadlineExceededError,
     DrainingError,
     InvalidTensorError,
     ModelExecutionError,
+    NonFiniteOutputError,
     OverloadedError,
     PayloadTooLargeError,
     QueueFullError,
+    RequestTimeoutError,
     UnknownModelError,
+    WorkerConfigError,
     WorkersError,
 )
 from workers.metrics import WorkerMetrics
@@ -60,6 +66,8 @@ from workers.timing import HEADER_DEADLINE_MS, ServerTiming
 __all__ = ["InferenceServer", "ServerConfig", "run_server"]
 
 log = logging.getLogger(__name__)
+
+_MAX_MESSAGE = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,15 @@ class ServerConfig:
         region: Region label of the metrics and answers.
         max_payload_bytes: Largest request body accepted (413 beyond).
         drain_timeout_s: How long shutdown waits for queued requests.
+        header_timeout_s: Longest a connection may take to send a request's
+            headers, counted from its opening and from the first byte of each
+            later request.
+        body_timeout_s: Longest a request's body may take to arrive once its
+            headers have (408 beyond).
+        max_connections: Most client connections open at once; past it a new
+            connection is answered 503 with ``Retry-After`` and closed.
+        keepalive_timeout_s: How long an idle keep-alive connection stays open
+            between requests (aiohttp's own default is an hour).
     """
 
     host: str = "127.0.0.1"
@@ -79,6 +96,21 @@ class ServerConfig:
     region: str = "local"
     max_payload_bytes: int = 8 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1000
+    keepalive_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "header_timeout_s",
+            "body_timeout_s",
+            "max_connections",
+            "keepalive_timeout_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not value > 0:
+                raise WorkerConfigError(f"ServerConfig.{name} must be positive, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -89,6 +121,10 @@ class _Slot:
 
 
 def _reason(exc: WorkersError) -> str:
+    if isinstance(exc, NonFiniteOutputError):
+        return "nonfinite_output"
+    if isinstance(exc, RequestTimeoutError):
+        return "timeout"
     if isinstance(exc, QueueFullError):
         return "queue_full"
     if isinstance(exc, DrainingError):
@@ -134,7 +170,19 @@ class InferenceServer:
         self.runtime = runtime or RuntimeConfig()
         self.batching = batching or BatchingConfig()
         self.config = config or ServerConfig()
-        self.metrics = WorkerMetrics(self.config.region, registry or CollectorRegistry())
+        self.metrics = (
+            WorkerMetrics(self.config.region)
+            if registry is None
+            else WorkerMetrics(self.config.region, registry)
+        )
+        region = self.config.region
+        self._guard = ConnectionGuard(
+            header_timeout_s=self.config.header_timeout_s,
+            max_connections=self.config.max_connections,
+            on_refused=self.metrics.connections_refused.labels(region).inc,
+            on_timeout=self.metrics.slow_clients.labels(region, "header").inc,
+            on_open_change=self.metrics.connections.labels(region).set,
+        )
         self._slots = {model.name: _Slot(model) for model in models}
         if len(self._slots) != len(models):
             raise ValueError("model names must be distinct")
@@ -142,7 +190,7 @@ class InferenceServer:
         self._draining = False
         self._stopped = False
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._site: GuardedTCPSite | None = None
         self._warmup: asyncio.Task[None] | None = None
         self.warmup_ms: dict[str, dict[int, float]] = {}
         self.port = 0
@@ -166,7 +214,9 @@ class InferenceServer:
 
     def make_app(self) -> web.Application:
         """The aiohttp application (routes only; :meth:`start` runs it)."""
-        app = web.Application(client_max_size=self.config.max_payload_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_payload_bytes, middlewares=[self._guard.middleware]
+        )
         app.router.add_post("/v1/models/{model}/infer", self._infer)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/healthz", self._healthz)
@@ -177,14 +227,15 @@ class InferenceServer:
     async def start(self, wait_ready: bool = True) -> None:
         """Listen, then load and warm up the models (readiness turns 200 after)."""
         self._runner = web.AppRunner(
-            self.make_app(), access_log=None, shutdown_timeout=self.config.drain_timeout_s
+            self.make_app(),
+            access_log=None,
+            shutdown_timeout=self.config.drain_timeout_s,
+            keepalive_timeout=self.config.keepalive_timeout_s,
         )
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        self._site = GuardedTCPSite(self._runner, self.config.host, self.config.port, self._guard)
         await self._site.start()
-        server = self._site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = int(sockets[0].getsockname()[1]) if sockets else self.config.port
+        self.port = self._site.port
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
         if wait_ready:
             try:
@@ -276,9 +327,13 @@ class InferenceServer:
 
     def _error(self, exc: WorkersError, model: str) -> web.Response:
         headers: dict[str, str] = {}
+        message = str(exc)
+        if len(message) > _MAX_MESSAGE:
+            # Messages quote the request (ids, shapes); an answer must not echo megabytes.
+            message = f"{message[:_MAX_MESSAGE]}... ({len(message)} characters, clipped)"
         body: dict[str, Any] = {
             "type": type(exc).__name__,
-            "message": str(exc),
+            "message": message,
             "retryable": exc.retryable,
         }
         if isinstance(exc, OverloadedError):
@@ -286,7 +341,10 @@ class InferenceServer:
             body["retry_after_ms"] = round(exc.retry_after_s * 1e3, 3)
         self.metrics.rejected.labels(self.config.region, model, _reason(exc)).inc()
         self.metrics.requests.labels(self.config.region, model, str(exc.http_status)).inc()
-        return web.json_response({"error": body}, status=exc.http_status, headers=headers)
+        response = web.json_response({"error": body}, status=exc.http_status, headers=headers)
+        if isinstance(exc, RequestTimeoutError):
+            response.force_close()  # the rest of a late body must not be read as a request
+        return response
 
     async def _infer(self, request: web.Request) -> web.Response:
         start = time.perf_counter()
@@ -302,6 +360,12 @@ class InferenceServer:
             if slot.batcher is None:
                 raise OverloadedError("worker is warming up; retry shortly", retry_after_s=1.0)
             return await self._serve(request, slot, start)
+        except ClientDisconnectedError as exc:
+            # Not an error of ours: nobody is left to answer. One line, counted apart.
+            model = name if slot is not None else "(unknown)"
+            self.metrics.client_aborts.labels(self.config.region, model).inc()
+            log.info("model %s: %s", model, exc)
+            return web.Response(status=exc.http_status)
         except WorkersError as exc:
             return self._error(exc, name if slot is not None else "(unknown)")
         except Exception as exc:  # a bug must cost one request, not the worker
@@ -334,13 +398,7 @@ class InferenceServer:
                 "bytes; preprocess (resize) at the edge or raise max_payload_bytes"
             )
         budget = self._budget(request)
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLargeError(
-                f"payload is over the limit of {limit} bytes; preprocess (resize) at the "
-                "edge or raise max_payload_bytes"
-            ) from None
+        body = await self._read_body(request)
         data_start = time.perf_counter()
         try:
             prepared = await slot.model.parse(
@@ -370,7 +428,7 @@ class InferenceServer:
             )
         result = await slot.batcher.submit(prepared.inputs, prepared.rows, remaining)
         self.metrics.queue_depth.labels(*labels).set(slot.batcher.queue_depth)
-        text = json.dumps(slot.model.render(prepared, result.output))
+        text = self._render(slot, prepared, result.output)
         server_s = time.perf_counter() - start
         timing = ServerTiming(
             data_s=data_s,
@@ -388,6 +446,48 @@ class InferenceServer:
         self.metrics.requests.labels(*labels, "200").inc()
         return web.Response(text=text, content_type="application/json", headers=timing.headers())
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, within ``body_timeout_s``; a vanished client is told apart."""
+        limit = self.config.max_payload_bytes
+        timeout = self.config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLargeError(
+                f"payload is over the limit of {limit} bytes; preprocess (resize) at the "
+                "edge or raise max_payload_bytes"
+            ) from None
+        except TimeoutError:
+            self.metrics.slow_clients.labels(self.config.region, "body").inc()
+            raise RequestTimeoutError(
+                f"request body did not arrive within {timeout:g} s "
+                "(ServerConfig.body_timeout_s); send it at once or raise the timeout"
+            ) from None
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            peer = request.remote or "?"
+            raise ClientDisconnectedError(
+                f"client {peer} disconnected before its request body arrived ({type(exc).__name__})"
+            ) from None
+
+    def _render(self, slot: _Slot, prepared: Any, output: np.ndarray) -> str:
+        """The answer's JSON; non-finite outputs are counted, then refused or nulled."""
+        labels = (self.config.region, slot.model.name)
+        if output.dtype.kind in "fc":
+            bad = int(np.count_nonzero(~np.isfinite(output)))
+            if bad:
+                self.metrics.nonfinite_outputs.labels(*labels).inc(bad)
+        try:
+            # allow_nan=False: a NaN that a model's render lets through is a 500,
+            # never an unparseable 200.
+            return json.dumps(slot.model.render(prepared, output), allow_nan=False)
+        except WorkersError:
+            raise
+        except ValueError as exc:
+            raise NonFiniteOutputError(
+                f"model {slot.model.name!r} answered a value JSON cannot carry ({exc})"
+            ) from None
+
     async def _models(self, request: web.Request) -> web.Response:
         models = []
         for slot in self._slots.values():
@@ -403,6 +503,7 @@ class InferenceServer:
                     "max_queue_size": self.batching.max_queue_size,
                     "queue_depth": slot.batcher.queue_depth,
                     "batches": stats.batches,
+                    "rows": stats.rows,
                     "completed": stats.completed,
                 }
             models.append(entry)

@@ -34,6 +34,10 @@ class WorkerSettings(BaseSettings):
     default_deadline_ms: float | None = Field(default=None, gt=0)
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
+    keepalive_timeout_s: float = Field(default=15.0, gt=0)
 
     def batching(self) -> BatchingConfig:
         """The batcher's view."""
@@ -65,4 +69,8 @@ class WorkerSettings(BaseSettings):
             region=region,
             max_payload_bytes=self.max_payload_bytes,
             drain_timeout_s=self.drain_timeout_s,
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            max_connections=self.max_connections,
+            keepalive_timeout_s=self.keepalive_timeout_s,
         )

@@ -28,13 +28,24 @@ class _Outcome:
 
 
 def _output_paths(images: list[Path], out: Path) -> list[Path]:
-    """``DIR/<stem>.efe``, with a suffix when two inputs share a stem."""
-    seen: dict[str, int] = {}
+    """``DIR/<stem>.efe``, one distinct file per input.
+
+    Two inputs sharing a stem (``a.jpg``, ``x/a.jpg``) get ``a.efe`` and
+    ``a-1.efe``; a suffix never lands on a name another input owns (``a-1.jpg``
+    then gets ``a-1-1.efe``), so no input overwrites another's envelope.
+    Names compare case-insensitively, as on macOS and Windows file systems.
+    """
+    owned = {image.stem.casefold() for image in images}
+    taken: set[str] = set()
     paths = []
     for image in images:
-        count = seen.get(image.stem, 0)
-        seen[image.stem] = count + 1
-        name = image.stem if count == 0 else f"{image.stem}-{count}"
+        name = image.stem
+        if name.casefold() in taken:
+            count = 1
+            while (candidate := f"{image.stem}-{count}").casefold() in taken | owned:
+                count += 1
+            name = candidate
+        taken.add(name.casefold())
         paths.append(out / f"{name}.efe")
     return paths
 

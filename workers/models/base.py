@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.exceptions import NonFiniteOutputError
+
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -16,7 +18,26 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "the model workers need PyTorch: pip install torch==2.13.0 'edgefeed[workers]'"
     ) from exc
 
-__all__ = ["Prepared", "ServedModel"]
+__all__ = ["Prepared", "ServedModel", "require_finite"]
+
+
+def require_finite(model: str, output: np.ndarray) -> None:
+    """Refuse an output holding NaN or infinity, naming where the first one is.
+
+    Raises:
+        NonFiniteOutputError: the output holds a NaN or an infinity.
+    """
+    if output.dtype.kind not in "fc":
+        return
+    bad = ~np.isfinite(output)
+    if not bad.any():
+        return
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise NonFiniteOutputError(
+        f"model {model!r} produced {output[where]} at output index {list(where)} "
+        f"({int(bad.sum())} non-finite of {output.size} values); the model or its "
+        "weights are broken for this input (JSON cannot carry NaN or infinity)"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,9 @@ normalization fused into the forward pass on the device, class scores out."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -12,14 +13,15 @@ import torch
 from torch import nn
 
 from workers.exceptions import InvalidTensorError
-from workers.inputs import decode_array
-from workers.models.base import Prepared, ServedModel
+from workers.inputs import InputSpec, decode_array
+from workers.models.base import Prepared, ServedModel, require_finite
+from workers.models.config import PlainConfig
 
 __all__ = ["ClassifierConfig", "ImageClassifier", "ImageClassifierNet", "TensorModel"]
 
 
 @dataclass(frozen=True, slots=True)
-class ClassifierConfig:
+class ClassifierConfig(PlainConfig):
     """Architecture of :class:`ImageClassifierNet`.
 
     Attributes:
@@ -37,21 +39,6 @@ class ClassifierConfig:
     hidden: tuple[int, ...] = (128,)
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.25, 0.25, 0.25)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only, so checkpoints load with ``torch.load(weights_only=True)``."""
-        return {
-            key: list(value) if isinstance(value, tuple) else value
-            for key, value in asdict(self).items()
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ClassifierConfig:
-        """Inverse of :meth:`to_dict`."""
-        fields: dict[str, Any] = {
-            key: tuple(value) if isinstance(value, list) else value for key, value in data.items()
-        }
-        return cls(**fields)
 
 
 class ImageClassifierNet(nn.Module):
@@ -149,7 +136,12 @@ class TensorModel(ServedModel):
         max_rows: int,
         max_bytes: int | None = None,
     ) -> Prepared:
-        array = decode_array(body, content_type, headers, max_bytes=max_bytes)
+        spec = InputSpec(self.row_shape, self.dtype.name, max_rows, self.name)
+        # Decoding (Brotli, WebP, .npy) runs in a thread: the event loop keeps
+        # answering other requests while a large body is decoded.
+        array = await asyncio.to_thread(
+            decode_array, body, content_type, dict(headers), max_bytes=max_bytes, spec=spec
+        )
         rows = self._rows_of(array, max_rows)
         return Prepared(inputs=(np.ascontiguousarray(rows),), rows=int(rows.shape[0]))
 
@@ -157,6 +149,7 @@ class TensorModel(ServedModel):
         return (np.zeros((rows, *self.row_shape), dtype=self.dtype),)
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
+        require_finite(self.name, output)
         return {"model": self.name, "version": self.version, "outputs": output.tolist()}
 
     def describe(self) -> dict[str, Any]:
@@ -194,6 +187,7 @@ class ImageClassifier(TensorModel):
         )
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
+        require_finite(self.name, output)
         shifted = output - output.max(axis=1, keepdims=True)
         probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
         k = min(self.top_k, output.shape[1])

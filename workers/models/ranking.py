@@ -10,25 +10,37 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from torch import nn
 
 from edge_cache import FeatureSchema
 from workers.exceptions import InvalidTensorError, MissingFeaturesError, UnsupportedMediaTypeError
 from workers.features import FeatureSource
 from workers.models.base import Prepared, ServedModel
+from workers.models.config import PlainConfig
 
-__all__ = ["RankRequest", "Ranker", "RankerConfig", "RankingNet"]
+__all__ = ["MAX_ID_LENGTH", "RankRequest", "Ranker", "RankerConfig", "RankingNet"]
+
+MAX_ID_LENGTH = 256
+"""Longest user or item id accepted (ids are echoed in error messages, clipped)."""
+
+
+def _clip_id(entity_id: str, limit: int = 64) -> str:
+    """An id as error messages show it: at most ``limit`` characters."""
+    if len(entity_id) <= limit:
+        return repr(entity_id)
+    return f"{entity_id[:limit]!r}... ({len(entity_id)} chars)"
 
 
 @dataclass(frozen=True, slots=True)
-class RankerConfig:
+class RankerConfig(PlainConfig):
     """Architecture and feature contract of :class:`RankingNet`.
 
     Attributes:
@@ -54,21 +66,6 @@ class RankerConfig:
             FeatureSchema.of(self.user_entity, self.user_features, personal=True),
             FeatureSchema.of(self.item_entity, self.item_features),
         ]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only (loads with ``weights_only=True``)."""
-        return {
-            key: list(value) if isinstance(value, tuple) else value
-            for key, value in asdict(self).items()
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RankerConfig:
-        """Inverse of :meth:`to_dict`."""
-        fields: dict[str, Any] = {
-            key: tuple(value) if isinstance(value, list) else value for key, value in data.items()
-        }
-        return cls(**fields)
 
 
 class RankingNet(nn.Module):
@@ -110,8 +107,10 @@ class RankRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    user_id: str = Field(min_length=1, max_length=256)
-    item_ids: list[str] = Field(min_length=1)
+    user_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    item_ids: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH)]] = (
+        Field(min_length=1)
+    )
     on_missing: Literal["reject", "drop"] = "reject"
 
 
@@ -124,7 +123,7 @@ def _describe_missing(
         if not missing:
             continue
         what = "no features" if len(missing) == len(names) else f"missing {missing}"
-        parts.append(f"{entity} {entity_id!r}: {what}")
+        parts.append(f"{entity} {_clip_id(entity_id)}: {what}")
     return "; ".join(parts[:10]) + (f" (and {len(parts) - 10} more)" if len(parts) > 10 else "")
 
 
@@ -224,9 +223,22 @@ class Ranker(ServedModel):
         )
 
     def render(self, prepared: Prepared, output: np.ndarray) -> dict[str, Any]:
+        """Scores in request order and the ranking, best first.
+
+        A NaN or infinite score (features holding NaN, broken weights) is
+        answered as ``null`` and ranked last: each item's score is independent,
+        so one broken item must not fail the others, and JSON has no NaN. The
+        server counts such values (``edgefeed_worker_nonfinite_outputs``). The
+        order is total: finite scores descending, ties and nulls in request order.
+        """
         user_id, item_ids, dropped = prepared.meta
-        scores = [float(score) for score in output]
-        ranked = sorted(zip(item_ids, scores, strict=True), key=lambda pair: -pair[1])
+        scores: list[float | None] = [
+            float(score) if math.isfinite(score) else None for score in output.tolist()
+        ]
+        ranked = sorted(
+            zip(item_ids, scores, strict=True),
+            key=lambda pair: (pair[1] is None, -pair[1] if pair[1] is not None else 0.0),
+        )
         return {
             "model": self.name,
             "version": self.version,

@@ -1,0 +1,235 @@
+"""Slow and surplus clients: a header deadline and a connection cap for the aiohttp server.
+
+aiohttp (3.14) bounds neither the time a client may take to send its request
+headers (its keep-alive timer stops at the first byte, so a client sending one
+byte every few seconds holds a connection for ever) nor the number of open
+connections. :class:`GuardedTCPSite` listens like ``web.TCPSite`` but wraps
+each connection's protocol in :class:`_GuardedProtocol`:
+
+* a connection must deliver a request's headers within ``header_timeout_s``
+  of opening, and of the first byte of each later request; otherwise it is
+  closed (an idle keep-alive connection, which sends nothing, is left to
+  aiohttp's own ``keepalive_timeout``);
+* past ``max_connections`` open connections a new one is answered ``503``
+  with ``Retry-After`` and closed at once.
+
+The request body has its own deadline, enforced by the server around
+``request.read()`` (``ServerConfig.body_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+__all__ = ["ConnectionGuard", "GuardedTCPSite"]
+
+log = logging.getLogger(__name__)
+
+_REFUSAL_BODY = (
+    b'{"error": {"type": "OverloadedError", "message": "too many open connections; '
+    b'retry shortly", "retryable": true, "retry_after_ms": 1000.0}}'
+)
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json\r\n"
+    b"Retry-After: 1\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+class ConnectionGuard:
+    """Counts open connections and holds each one's header deadline.
+
+    Args:
+        header_timeout_s: Longest wait for a request's headers.
+        max_connections: Most connections open at once.
+        on_refused: Called when a connection is refused (over the cap).
+        on_timeout: Called when a connection is closed for slow headers.
+        on_open_change: Called with the number of open connections.
+    """
+
+    def __init__(
+        self,
+        *,
+        header_timeout_s: float,
+        max_connections: int,
+        on_refused: Callable[[], None] = lambda: None,
+        on_timeout: Callable[[], None] = lambda: None,
+        on_open_change: Callable[[int], None] = lambda _open: None,
+    ) -> None:
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        self.open = 0
+        self._on_refused = on_refused
+        self._on_timeout = on_timeout
+        self._on_open_change = on_open_change
+        self._by_handler: dict[RequestHandler, _GuardedProtocol] = {}
+
+    def protocol(self, inner: RequestHandler) -> _GuardedProtocol:
+        """Wrap the aiohttp protocol of one new connection."""
+        return _GuardedProtocol(self, inner)
+
+    def request_started(self, request: web.BaseRequest) -> None:
+        """Headers arrived: stop the header deadline (the body has its own)."""
+        guarded = self._by_handler.get(request.protocol)
+        if guarded is not None:
+            guarded.busy = True
+            guarded.disarm()
+
+    def request_finished(self, request: web.BaseRequest) -> None:
+        """Answered: the next request's deadline starts with its first byte."""
+        guarded = self._by_handler.get(request.protocol)
+        if guarded is not None:
+            guarded.busy = False
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp middleware marking each request's start and end on its connection."""
+        self.request_started(request)
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        finally:
+            self.request_finished(request)
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """Delegates to aiohttp's protocol; adds the cap and the header deadline."""
+
+    def __init__(self, guard: ConnectionGuard, inner: RequestHandler) -> None:
+        self.guard = guard
+        self.inner = inner
+        self.busy = False
+        self.refused = False
+        self.transport: asyncio.Transport | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        guard = self.guard
+        if guard.open >= guard.max_connections:
+            self.refused = True
+            guard._on_refused()
+            transport.write(_REFUSAL)
+            transport.close()
+            return
+        guard.open += 1
+        guard._on_open_change(guard.open)
+        guard._by_handler[self.inner] = self
+        self.inner.connection_made(transport)
+        self.arm()
+
+    def arm(self) -> None:
+        self.disarm()
+        if self.transport is not None and not self.transport.is_closing():
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(self.guard.header_timeout_s, self._expired)
+
+    def disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.busy or self.transport is None:
+            return
+        self.guard._on_timeout()
+        peer = self.transport.get_extra_info("peername")
+        log.info(
+            "closed a connection from %s: no complete request headers within %.1f s",
+            peer[0] if isinstance(peer, tuple) else "?",
+            self.guard.header_timeout_s,
+        )
+        self.inner.force_close()
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        if not self.busy and self._deadline is None:
+            self.arm()  # the first byte of a new request starts its header deadline
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if not self.refused:
+            self.inner.eof_received()
+        return None
+
+    def pause_writing(self) -> None:
+        if not self.refused:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if not self.refused:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.refused:
+            return
+        self.disarm()
+        self.guard._by_handler.pop(self.inner, None)
+        self.guard.open -= 1
+        self.guard._on_open_change(self.guard.open)
+        self.inner.connection_lost(exc)
+
+
+class GuardedTCPSite(web.BaseSite):
+    """A TCP site whose connections go through a :class:`ConnectionGuard`.
+
+    Args:
+        runner: The set-up ``web.AppRunner``.
+        host: Interface to bind.
+        port: TCP port (0: any free one; read :attr:`port` after :meth:`start`).
+        guard: The guard every connection goes through.
+        backlog: Listen backlog.
+    """
+
+    __slots__ = ("_bound_port", "_guard", "_host", "_port")
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        guard: ConnectionGuard,
+        *,
+        backlog: int = 128,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._guard = guard
+        self._bound_port = port
+
+    @property
+    def port(self) -> int:
+        """The bound port (the requested one until started)."""
+        return self._bound_port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        if server is None:
+            raise RuntimeError("call runner.setup() before starting the site")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: self._guard.protocol(server()),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+        )
+        sockets = self._server.sockets
+        self._bound_port = int(sockets[0].getsockname()[1]) if sockets else self._port
