@@ -10,11 +10,13 @@ must be in no stdout, stderr or served page. Nothing here needs a running stack.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -131,7 +133,8 @@ class Case:
     settings: str
     args: tuple[str, ...]
     until: str | None = None
-    scrape: bool = False
+    path: str | None = None
+    body: bytes | None = None
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -175,11 +178,9 @@ def _run(case: Case, env: dict[str, str], deadline_s: float = 90.0) -> str:
                     break
                 if time.monotonic() > end:
                     break
-            if case.scrape:
-                port = lines[-1].rsplit(":", 1)[-1].split("/", 1)[0]
-                url = f"http://127.0.0.1:{port}/metrics"
-                with urllib.request.urlopen(url, timeout=30) as page:
-                    lines.append(page.read().decode())
+            served = re.search(r"http://127\.0\.0\.1:(\d+)", lines[-1] if lines else "")
+            if case.path is not None and served is not None:
+                lines.append(_ask(f"http://127.0.0.1:{served.group(1)}{case.path}", case.body))
             process.send_signal(signal.SIGINT)
             rest, _ = process.communicate(timeout=deadline_s)
             return "".join(lines) + rest
@@ -187,6 +188,17 @@ def _run(case: Case, env: dict[str, str], deadline_s: float = 90.0) -> str:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def _ask(url: str, body: bytes | None) -> str:
+    """The page at ``url`` (POST ``body`` if given), error answers included."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as page:
+            return str(page.read().decode())
+    except urllib.error.HTTPError as error:
+        with error:
+            return f"{error.code} {error.read().decode()}"
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +242,17 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(env_file, ("lag", "--json", "--samples", "1", "--interval", "0.1")),
         Case(inline, ("lag", "--watch", "--json", "--interval", "0.2"), until="{"),
         Case(
-            inline, ("exporter", "--host", "127.0.0.1", "--port", "0"), until="serving", scrape=True
+            inline,
+            ("exporter", "--host", "127.0.0.1", "--port", "0"),
+            until="serving",
+            path="/metrics",
+        ),
+        Case(
+            inline,
+            ("workers", "serve", "--model", "ranker", "--region", "eu-west", "--port", "0"),
+            until="serving",
+            path="/v1/models/ranker/infer",
+            body=b'{"user_id": "u1", "item_ids": ["i1", "i2"]}',
         ),
         Case(inline, ("connectors", "plan")),
         Case(settings_files["file"], ("connectors", "plan", "--json")),
@@ -257,9 +279,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("pipeline", "run", "--region", "eu-west")),
         Case(inline, ("preprocess", str(tmp_path / "missing.jpg"), "--out", str(tmp_path))),
     ]
-    assert {" ".join(c.args[:2]) if c.args[0] in _GROUPS else c.args[0] for c in cases} == (
-        COMMANDS - {"workers serve"}
-    )
+    assert {" ".join(c.args[:2]) if c.args[0] in _GROUPS else c.args[0] for c in cases} == COMMANDS
     env = _env(tmp_path)
     with ThreadPoolExecutor(max_workers=4) as pool:
         outputs = list(pool.map(lambda case: _run(case, env), cases))
