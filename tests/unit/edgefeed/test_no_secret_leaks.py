@@ -359,3 +359,16 @@ def test_bad_yaml_in_a_real_process_names_the_place_but_not_the_line(tmp_path: P
     output = _run(Case(str(path), ("lag",)), _env(tmp_path))
     _assert_clean(output, "lag with bad YAML")
     assert "not valid YAML" in output and "line" in output
+
+
+def test_demo_load_reports_an_unreachable_database_as_an_error(
+    settings_files: dict[str, str],
+) -> None:
+    result = CliRunner().invoke(app, ["--settings", settings_files["inline"], "demo", "load"])
+    # A typed error and exit 1, not a traceback of psycopg's exception.
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 1
+    said = " ".join(result.output.split())
+    assert "cannot create the demo tables in the database postgres@127.0.0.1:" in said
+    assert "is PostgreSQL running" in said
+    _assert_clean(result.output, "demo load")
