@@ -22,7 +22,7 @@ from connectors.exceptions import (
     ConnectRequestError,
     ConnectUnavailableError,
 )
-from connectors.secrets import redact
+from connectors.secrets import redact, redact_url, url_secrets
 
 __all__ = ["ConnectClient", "ConnectorStatus", "TaskStatus"]
 
@@ -119,7 +119,9 @@ class ConnectClient:
         url: Base URL of the REST API.
         timeout_s: Timeout of each HTTP request.
         retries: Retries on 409, 5xx and connection errors (exponential backoff).
-        secrets: Values redacted from every error message.
+        secrets: Values redacted from every error message. The password of
+            ``url`` (``http://user:pass@host``, sent as basic auth) is one
+            already, and the URL is only ever shown as ``http://***@host``.
     """
 
     def __init__(
@@ -132,8 +134,9 @@ class ConnectClient:
         secrets: Iterable[str] = (),
     ) -> None:
         self.url = url.rstrip("/")
+        self.shown_url = redact_url(self.url)
         self.timeout_s = timeout_s
-        self._secrets = tuple(s for s in secrets if s)
+        self._secrets = tuple(s for s in (*secrets, *url_secrets(self.url)) if s)
         retry = Retry(
             total=retries,
             connect=retries,
@@ -178,12 +181,12 @@ class ConnectClient:
             )
         except requests.ConnectionError as exc:
             raise ConnectUnavailableError(
-                f"cannot reach Kafka Connect at {self.url} ({type(exc).__name__}); is it "
+                f"cannot reach Kafka Connect at {self.shown_url} ({type(exc).__name__}); is it "
                 "running? start it (`edgefeed dev up` locally) or fix connect.url"
             ) from None
         except requests.Timeout:
             raise ConnectUnavailableError(
-                f"Kafka Connect at {self.url} did not answer {method} {path} within "
+                f"Kafka Connect at {self.shown_url} did not answer {method} {path} within "
                 f"{self.timeout_s}s; raise connect.timeout_s or check the cluster"
             ) from None
         if response.status_code in ok:

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from connectors.secrets import redact_urls
+
 __all__ = [
     "ConnectSettings",
     "DatabaseSettings",
@@ -42,7 +44,8 @@ class ConnectSettings(BaseModel):
     @classmethod
     def _http(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
-            raise ValueError(f"connect url {value!r} must start with http:// or https://")
+            shown = redact_urls(value)
+            raise ValueError(f"connect url {shown!r} must start with http:// or https://")
         return value.rstrip("/")
 
 
@@ -107,17 +110,16 @@ class DatabaseSettings(BaseModel):
         return self.password.get_secret_value()
 
     def dsn(self) -> str:
-        """A libpq connection string (contains the password: never log it)."""
-        parts = [
-            f"host={self.host}",
-            f"port={self.port}",
-            f"dbname={self.dbname}",
-            f"user={self.user}",
-        ]
-        secret = self.secret()
-        if secret:
-            parts.append(f"password={secret}")
-        return " ".join(parts)
+        """A libpq connection string, each value quoted (contains the password: never log it)."""
+        from psycopg.conninfo import make_conninfo  # psycopg only when a connection is made
+
+        return make_conninfo(
+            host=self.host,
+            port=self.port,
+            dbname=self.dbname,
+            user=self.user,
+            password=self.secret() or None,
+        )
 
 
 class TableSettings(BaseModel):

@@ -20,6 +20,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from connectors.secrets import is_secret_key, redact, redact_urls, url_secrets
 from connectors.settings import ConnectSettings, DatabaseSettings, SourceSettings, TableSettings
 from edge_cache.settings import RegionSettings
 from edgefeed.errors import EdgefeedError
@@ -31,6 +32,7 @@ __all__ = [
     "SettingsError",
     "expand_env",
     "load_settings",
+    "secrets_of",
 ]
 
 DEFAULT_SETTINGS_FILE = "edgefeed.yaml"
@@ -166,6 +168,29 @@ def expand_env(value: Any, env: Mapping[str, str] | None = None) -> Any:
     return value
 
 
+def secrets_of(data: Any, key: str = "") -> set[str]:
+    """Every secret value in a parsed settings tree (valid or not).
+
+    The values of secret keys (``password``, ``token``, ...) and the passwords
+    of every URL, raw and percent-decoded, so an error message can be redacted
+    of them whatever validator produced it.
+    """
+    found: set[str] = set()
+    if isinstance(data, Mapping):
+        for name, value in data.items():
+            found |= secrets_of(value, str(name))
+    elif isinstance(data, list | tuple):
+        for value in data:
+            found |= secrets_of(value, key)
+    elif isinstance(data, str):
+        found.update(url_secrets(data))
+        if is_secret_key(key) and not key.endswith(("_env", "_file")):
+            found.add(data)
+    elif data is not None and is_secret_key(key):
+        found.add(str(data))
+    return {value for value in found if value}
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     key = ".".join(str(part) for part in error.get("loc", ())) or "(top level)"
     message = str(error.get("msg", "invalid"))
@@ -176,7 +201,7 @@ def _describe(error: Mapping[str, Any]) -> str:
     bad = error.get("input")
     if isinstance(bad, dict | list):
         return f"{key}: {message}"
-    if "secret" in key.lower() or "password" in key.lower():
+    if is_secret_key(key):
         return f"{key}: {message} (value hidden)"
     return f"{key}: {message} (got {bad!r})"
 
@@ -185,13 +210,29 @@ def settings_from_mapping(data: Mapping[str, Any], source: str = "settings") -> 
     """Validate an already-parsed settings mapping.
 
     Raises:
-        SettingsError: listing every invalid key with its bad value.
+        SettingsError: listing every invalid key with its bad value; secret
+            values (passwords, URL userinfo) are never part of the message.
     """
     try:
         return EdgefeedSettings(**dict(data))
     except ValidationError as exc:
         problems = "\n  ".join(_describe(err) for err in exc.errors())
-        raise SettingsError(f"{source} is invalid:\n  {problems}") from None
+        message = redact(redact_urls(problems), secrets_of(data))
+        raise SettingsError(f"{source} is invalid:\n  {message}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """Where and what the YAML error is, without the offending line (it may hold a secret)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return type(exc).__name__
+    parts = []
+    if exc.context:
+        where = exc.context_mark
+        parts.append(exc.context + (f" at line {where.line + 1}" if where else ""))
+    problem = exc.problem or "syntax error"
+    mark = exc.problem_mark
+    parts.append(problem + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""))
+    return ", ".join(parts)
 
 
 def resolve_settings_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -225,7 +266,8 @@ def load_settings(
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SettingsError(
-            f"settings file {str(settings_path)!r} is not valid YAML: {exc}"
+            f"settings file {str(settings_path)!r} is not valid YAML: {_yaml_problem(exc)}; "
+            "fix the file there (the line itself is not shown, it may hold a secret)"
         ) from None
     if not isinstance(raw, dict):
         raise SettingsError(

@@ -11,24 +11,62 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["LoadProgress", "ShopLoad", "apply_schema"]
+from connectors.secrets import redact
+from edgefeed.errors import EdgefeedError
+
+__all__ = ["DemoDatabaseError", "LoadProgress", "ShopLoad", "apply_schema"]
 
 SCHEMA_FILE = Path(__file__).resolve().parent / "data" / "shop_schema.sql"
 KINDS = ("view", "view", "view", "view", "view", "click", "click", "add_to_cart", "purchase")
 COUNTRIES = {"eu-west": ("DE", "FR", "NL"), "us-east": ("US", "CA"), "ap-southeast": ("SG", "ID")}
 
 
+class DemoDatabaseError(EdgefeedError):
+    """The demo's PostgreSQL could not be reached or refused a statement.
+    Retryable: start the database (``edgefeed dev up``) or fix ``database:``.
+    The message never holds the password."""
+
+    retryable = True
+
+
+@contextmanager
+def _database(dsn: str, doing: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A connection to ``dsn``; any psycopg error becomes a :class:`DemoDatabaseError`."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            yield conn
+    except psycopg.Error as exc:
+        try:
+            where = conninfo_to_dict(dsn)
+            password = str(where.get("password") or "")
+        except psycopg.Error:
+            where, password = {}, dsn
+        reason = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else "", [password])
+        raise DemoDatabaseError(
+            f"cannot {doing} in the database {where.get('user', '?')}@{where.get('host', '?')}:"
+            f"{where.get('port', '?')}/{where.get('dbname', '?')} "
+            f"({type(exc).__name__}: {reason}); is PostgreSQL running (`edgefeed dev up`) "
+            "and are the database settings right?"
+        ) from None
+
+
 def apply_schema(dsn: str, schema_sql: str | None = None) -> None:
-    """Create the demo tables if they do not exist."""
+    """Create the demo tables if they do not exist.
+
+    Raises:
+        DemoDatabaseError: the database could not be reached or refused the schema.
+    """
     text = schema_sql if schema_sql is not None else SCHEMA_FILE.read_text(encoding="utf-8")
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with _database(dsn, "create the demo tables") as conn:
         conn.execute(text)
 
 
@@ -89,7 +127,7 @@ class ShopLoad:
     def seed_rows(self) -> None:
         """Insert (or refresh) every user and item."""
         rng = self.random
-        with psycopg.connect(self.dsn, autocommit=True) as conn, conn.cursor() as cur:
+        with _database(self.dsn, "seed the demo rows") as conn, conn.cursor() as cur:
             cur.executemany(
                 sql.SQL(
                     "INSERT INTO {} (user_id, home_region, country, segment, email) "
@@ -175,7 +213,7 @@ class ShopLoad:
         written = 0
         started = time.monotonic()
         last_report = 0.0
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
+        with _database(self.dsn, "write the demo load") as conn:
             while True:
                 elapsed = time.monotonic() - started
                 if elapsed >= duration_s:

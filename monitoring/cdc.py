@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from connectors.client import ConnectClient, ConnectorStatus
 from connectors.exceptions import ConnectorsError
+from connectors.secrets import redact
 from monitoring.exceptions import SourceUnavailableError
 
 __all__ = ["SlotRow", "read_connectors", "read_slots"]
+
+T = TypeVar("T")
 
 _SLOTS_SQL = """
 SELECT slot_name, plugin, slot_type, database, active,
@@ -51,8 +57,10 @@ async def read_slots(dsn: str, *, timeout_s: float = 5.0) -> list[SlotRow]:
             cursor = await conn.execute(_SLOTS_SQL)
             rows = await cursor.fetchall()
     except psycopg.Error as exc:
-        # psycopg's message never includes the password; keep only its first line.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # Keep only the first line, and mask the password should libpq quote it
+        # (it does, in part, for a DSN it cannot parse).
+        text = redact(str(exc).strip(), _password_of(dsn))
+        first = text.splitlines()[0] if text else type(exc).__name__
         raise SourceUnavailableError(
             "postgres", f"cannot read replication slots: {first}"
         ) from None
@@ -71,6 +79,17 @@ async def read_slots(dsn: str, *, timeout_s: float = 5.0) -> list[SlotRow]:
     ]
 
 
+def _password_of(dsn: str) -> tuple[str, ...]:
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.Error:  # an unparsable DSN: mask each of its words instead
+        return tuple(word for word in dsn.split() if not word.startswith(("host=", "port=")))
+    return (str(password),) if password else ()
+
+
 def _read_connectors_sync(
     url: str, declared: Sequence[str], timeout_s: float, secrets: Sequence[str]
 ) -> dict[str, ConnectorStatus | None]:
@@ -80,6 +99,37 @@ def _read_connectors_sync(
             n for n in client.list_connectors() if n.startswith("edgefeed-") and n not in names
         ]
         return {name: client.status(name) for name in names}
+
+
+async def _in_daemon_thread(call: Callable[[], T]) -> T:
+    """``call()`` in a daemon thread of its own.
+
+    Not ``asyncio.to_thread``: the default executor is joined when the loop
+    shuts down, so a cancelled read (Ctrl-C in ``edgefeed lag --watch``) would
+    keep the process alive until Connect's timeout; a daemon thread is left
+    behind and dies with the process.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except Exception as exc:  # handed to the awaiting task, which re-raises it
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="edgefeed-connect-read", daemon=True).start()
+    return await future
 
 
 async def read_connectors(
@@ -95,6 +145,8 @@ async def read_connectors(
         SourceUnavailableError: Kafka Connect could not be reached.
     """
     try:
-        return await asyncio.to_thread(_read_connectors_sync, url, declared, timeout_s, secrets)
+        return await _in_daemon_thread(
+            lambda: _read_connectors_sync(url, declared, timeout_s, secrets)
+        )
     except ConnectorsError as exc:
         raise SourceUnavailableError("connect", str(exc)) from None

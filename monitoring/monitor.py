@@ -66,7 +66,7 @@ def region_group(region: str) -> str:
 @dataclass(frozen=True, slots=True)
 class RegionTarget:
     name: str
-    redis_url: str
+    redis_url: str = field(repr=False)  # may hold a password
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +105,8 @@ class MonitorConfig:
     bootstrap_servers: tuple[str, ...]
     regions: tuple[RegionTarget, ...] = ()
     sources: tuple[SourceTarget, ...] = ()
-    database_dsn: str | None = None
-    connect_url: str | None = None
+    database_dsn: str | None = field(default=None, repr=False)
+    connect_url: str | None = field(default=None, repr=False)
     groups: tuple[str, ...] = ()
     names: PipelineNames = _DEFAULT_NAMES
     window: int = 10
@@ -230,10 +230,8 @@ class Monitor:
 
     def _kafka_report(self, result: object, now: float) -> KafkaReport:
         topic = self.config.deadletter_topic
-        if isinstance(result, BaseException):
-            if not isinstance(result, SourceUnavailableError):
-                raise result
-            return KafkaReport((), (), 0, topic, None, None, error=str(result))
+        if (error := _unavailable(result)) is not None:
+            return KafkaReport((), (), 0, topic, None, None, error=error)
         snap = cast(KafkaSnapshot, result)
         topics: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
         for (name, partition), end in snap.end.items():
@@ -336,10 +334,8 @@ class Monitor:
         self, target: RegionTarget, result: object, kafka: KafkaReport, now: float
     ) -> RegionReport:
         pending = self._pending(kafka, target.name)
-        if isinstance(result, BaseException):
-            if not isinstance(result, SourceUnavailableError):
-                raise result
-            return RegionReport(target.name, "DOWN", "ERR", None, pending, (), error=str(result))
+        if (error := _unavailable(result)) is not None:
+            return RegionReport(target.name, "DOWN", "ERR", None, pending, (), error=error)
         entities = []
         for e in cast(RegionTimes, result).entities:
             sample = [now - us / 1e6 for us in e.sample_commit_us]
@@ -385,10 +381,8 @@ class Monitor:
     def _slot_reports(self, result: object) -> tuple[tuple[SlotReport, ...], str | None]:
         if result is None:
             return (), None
-        if isinstance(result, BaseException):
-            if not isinstance(result, SourceUnavailableError):
-                raise result
-            return (), str(result)
+        if (error := _unavailable(result)) is not None:
+            return (), error
         rows: Sequence[SlotRow] = result  # type: ignore[assignment]
         owners = {s.slot: s.name for s in self.config.sources}
         bound = self.config.slot_wal_bound_bytes
@@ -427,10 +421,8 @@ class Monitor:
     def _connector_reports(self, result: object) -> tuple[tuple[ConnectorReport, ...], str | None]:
         if result is None:
             return (), None
-        if isinstance(result, BaseException):
-            if not isinstance(result, SourceUnavailableError):
-                raise result
-            return (), str(result)
+        if (error := _unavailable(result)) is not None:
+            return (), error
         statuses: dict[str, ConnectorStatus | None] = result  # type: ignore[assignment]
         reports = []
         for name, status in statuses.items():
@@ -512,6 +504,20 @@ class Monitor:
                 f"{kafka.deadletters_new} new dead letter(s) on {kafka.deadletter_topic}"
             )
         return tuple(problems)
+
+
+def _unavailable(result: object) -> str | None:
+    """The message of a source that could not be read this round, else None.
+
+    ``collect`` gathers its reads with ``return_exceptions=True``: a
+    :class:`SourceUnavailableError` marks its section of the report, any other
+    exception is a bug and propagates.
+    """
+    if not isinstance(result, BaseException):
+        return None
+    if isinstance(result, SourceUnavailableError):
+        return str(result)
+    raise result
 
 
 async def _nothing() -> None:

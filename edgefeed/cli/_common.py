@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from connectors.secrets import redact, redact_urls
 from edgefeed.errors import EdgefeedError
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "reported_errors",
     "run_reported",
     "settings_of",
+    "shown",
 ]
 
 EXIT_ERROR = 1
@@ -35,6 +37,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 T = TypeVar("T")
+# Secrets of the settings loaded in this process, masked in every reported error.
+_SECRETS: set[str] = set()
 
 
 def settings_path_of(ctx: typer.Context) -> Path | None:
@@ -44,10 +48,18 @@ def settings_path_of(ctx: typer.Context) -> Path | None:
 
 
 def settings_of(ctx: typer.Context) -> EdgefeedSettings:
-    """Load the settings named by ``--settings`` (or the defaults), reporting errors cleanly."""
-    from edgefeed.settings import load_settings  # imports every domain's settings
+    """Load the settings named by ``--settings`` (or the defaults), reporting errors cleanly.
 
-    return run_reported(lambda: load_settings(settings_path_of(ctx)))
+    The settings' secrets are remembered so that :func:`fail` redacts them from
+    any error, whichever package raised it.
+    """
+    from edgefeed.settings import load_settings, secrets_of  # imports every domain's settings
+
+    settings = run_reported(lambda: load_settings(settings_path_of(ctx)))
+    # SecretStr fields dump as "****"; their values come from database.secret().
+    _SECRETS.update(s for s in secrets_of(settings.model_dump(mode="json")) if s.strip("*"))
+    _SECRETS.add(settings.database.secret())
+    return settings
 
 
 @contextmanager
@@ -59,9 +71,18 @@ def reported_errors() -> Iterator[None]:
         fail(exc)
 
 
+def shown(text: str) -> str:
+    """``text`` as it may be shown: URL userinfo and every known secret masked."""
+    return redact(redact_urls(text), _SECRETS)
+
+
 def fail(exc: EdgefeedError) -> NoReturn:
-    """Print ``exc`` on stderr and exit: 2 for bad input (ValueError), 1 otherwise."""
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+    """Print ``exc`` on stderr and exit: 2 for bad input (ValueError), 1 otherwise.
+
+    The last line of defence for secrets: whatever the message, URL userinfo
+    and the loaded settings' secrets are masked.
+    """
+    err_console.print(f"[bold red]error:[/] {escape(shown(str(exc)))}", highlight=False)
     raise typer.Exit(EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR) from None
 
 

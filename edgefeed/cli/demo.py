@@ -78,8 +78,8 @@ def load_cmd(
     from edgefeed.shopload import apply_schema
 
     settings = settings_of(ctx)
-    apply_schema(settings.database.dsn())
-    result = _load(settings, rate, duration, users, items)
+    run_reported(lambda: apply_schema(settings.database.dsn()))
+    result = run_reported(lambda: _load(settings, rate, duration, users, items))
     console.print(
         f"wrote {result.changes} changes in {result.elapsed_s:.1f}s ({result.rate:.0f}/s)"
     )
@@ -186,7 +186,7 @@ def run(
         raise typer.Exit(EXIT_ERROR)
 
     console.rule("2. source tables and the Debezium connector")
-    apply_schema(settings.database.dsn())
+    run_reported(lambda: apply_schema(settings.database.dsn()))
     with ConnectClient(
         settings.connect.url,
         timeout_s=settings.connect.timeout_s,
@@ -230,7 +230,7 @@ def run(
 
     console.rule(f"4. load: {rate:.0f} changes/s for {duration:.0f}s into PostgreSQL")
     load = ShopLoad(settings.database.dsn(), settings.region_names, users=users, items=items)
-    result = _load(settings, rate, duration, users, items)
+    result = run_reported(lambda: _load(settings, rate, duration, users, items))
     console.print(f"  wrote {result.changes} changes ({result.rate:.0f}/s)")
     time.sleep(2.0)  # let the last batches land before sampling
 

@@ -3,15 +3,19 @@
 Exit codes of ``lag``: 0 everything OK, 3 a warning (a group falling behind,
 an inactive slot, a region without data, new dead letters), 4 an error (a
 stalled, stopped or rewound group, a stale region, a failed connector task, a
-slot over its WAL bound, a system unreachable), 2 bad input.
+slot over its WAL bound, a system unreachable), 2 bad input. ``lag --watch``
+stops at once on Ctrl-C or SIGTERM, with the code of its last report (130 if
+it had none yet).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Group
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_CODES", "build_config", "register", "render"]
 
 EXIT_CODES = {"OK": 0, "WARN": 3, "ERR": 4}
+EXIT_INTERRUPTED = 130  # --watch stopped before its first report
+T = TypeVar("T")
 _COLOURS = {
     "OK": "green",
     "IDLE": "green",
@@ -309,21 +315,63 @@ def register(app: typer.Typer) -> None:
 
 
 async def _watch(monitor: Monitor, interval_s: float, as_json: bool) -> int:
-    severity = "OK"
+    """Report every ``interval_s`` until SIGINT/SIGTERM; the exit code of the last report.
+
+    A signal cancels whatever is pending (a collection round stuck on a slow
+    system, or the pause between rounds) at once; 130 if no round completed.
+    """
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
     try:
-        if as_json:
-            while True:
-                report = await monitor.collect()
-                severity = report.severity
+        severity = await _watch_until(monitor, interval_s, as_json, stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    return EXIT_INTERRUPTED if severity is None else EXIT_CODES[severity]
+
+
+async def _watch_until(
+    monitor: Monitor, interval_s: float, as_json: bool, stop: asyncio.Event
+) -> str | None:
+    severity: str | None = None
+    with contextlib.ExitStack() as stack:
+        live = None if as_json else stack.enter_context(_live())
+        while not stop.is_set():
+            started = time.monotonic()
+            report = await _unless_stopped(monitor.collect(), stop)
+            if report is None:
+                break
+            severity = report.severity
+            if live is None:
                 typer.echo(json.dumps(report.as_dict()))
-                await asyncio.sleep(interval_s)
-        with Live(console=console, auto_refresh=False, screen=False) as live:
-            while True:
-                started = time.monotonic()
-                report = await monitor.collect()
-                severity = report.severity
+            else:
                 live.update(render(report), refresh=True)
-                await asyncio.sleep(max(interval_s - (time.monotonic() - started), 0.0))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
-    return EXIT_CODES[severity]
+            pause = max(interval_s - (time.monotonic() - started), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
+    return severity
+
+
+def _live() -> Live:
+    return Live(console=console, auto_refresh=False, screen=False)
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """The result of ``work``, or None once ``stop`` is set first (``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    # Give the reads a moment to close their connections; never wait on them.
+    await asyncio.wait({task}, timeout=1.0)
+    return None

@@ -317,7 +317,9 @@ def test_watch_json_streams_one_report_per_round_and_exits_with_the_last_status(
 
     exe = Path(sys.executable).with_name("edgefeed")
     group = f"edgefeed-region-{unique_name('w').replace('_', '-').lower()}"
-    process = subprocess.Popen(
+    # The with-block kills and reaps the process and closes its pipes whatever
+    # happens, so a failure here cannot leak into later tests as a ResourceWarning.
+    with subprocess.Popen(
         [
             str(exe),
             "--settings",
@@ -333,16 +335,17 @@ def test_watch_json_streams_one_report_per_round_and_exits_with_the_last_status(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert process.stdout is not None
-        lines = [process.stdout.readline() for _ in range(3)]
-    finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(timeout=30)
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
+    ) as process:
+        try:
+            assert process.stdout is not None
+            lines = [process.stdout.readline() for _ in range(3)]
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=120)  # a deadline for a hang, not a bound
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert "Traceback" not in err, err
     reports = [json.loads(line) for line in lines]
     assert [r["at"] for r in reports] == sorted(r["at"] for r in reports)
     assert len({r["at"] for r in reports}) == 3

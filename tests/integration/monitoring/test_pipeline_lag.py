@@ -8,6 +8,7 @@ have no worker running, so their messages wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,14 +66,17 @@ def _start(settings_file: Path, log: Path, *args: str) -> subprocess.Popen[bytes
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGCONT)
+    """Stop the worker's whole process group and reap it, however slow the machine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGCONT)  # a paused worker cannot handle SIGTERM
         os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=60)
+    # Whatever is left of the group (Faust may fork helpers) goes too; SIGKILL
+    # cannot be ignored, so the wait below ends.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 async def until(
@@ -141,21 +145,24 @@ def pipeline(
     source = settings.sources[0]
     with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE TABLE public.{table} (id bigint PRIMARY KEY, score int)")
-    client = ConnectClient(settings.connect.url, timeout_s=30)
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
+    # Teardown runs in reverse order and every step runs even if one fails:
+    # the workers are stopped and reaped before the connector and table go.
+    with contextlib.ExitStack() as cleanup:
+        client = cleanup.enter_context(ConnectClient(settings.connect.url, timeout_s=30))
+
+        @cleanup.callback
+        def _drop_source() -> None:
+            with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+                drop_slot(conn, source.effective_slot_name, source.effective_publication)
+                conn.execute(f"DROP TABLE IF EXISTS public.{table}")
+
+        cleanup.callback(client.delete, source.connector_name)
         deploy.apply(client, settings.database, settings.sources, wait_s=90)
-        processes.append(_start(settings_file, folder / "router.log", "--role", "router"))
-        processes.append(_start(settings_file, folder / "eu-west.log", "--region", "eu-west"))
-        yield Pipeline(settings, settings_file, table, processes[0], processes[1])
-    finally:
-        for process in processes:
-            _stop(process)
-        client.delete(source.connector_name)
-        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-            drop_slot(conn, source.effective_slot_name, source.effective_publication)
-            conn.execute(f"DROP TABLE IF EXISTS public.{table}")
-        client.close()
+        router = _start(settings_file, folder / "router.log", "--role", "router")
+        cleanup.callback(_stop, router)
+        worker = _start(settings_file, folder / "eu-west.log", "--region", "eu-west")
+        cleanup.callback(_stop, worker)
+        yield Pipeline(settings, settings_file, table, router, worker)
 
 
 async def test_freshness_per_region_reflects_a_postgres_write(pipeline: Pipeline) -> None:
@@ -270,7 +277,9 @@ def test_exporter_command_serves_the_named_metrics_in_prometheus_format(
     from prometheus_client.parser import text_string_to_metric_families
 
     exe = Path(sys.executable).with_name("edgefeed")
-    process = subprocess.Popen(
+    # The with-block kills and reaps the process and closes its pipe whatever
+    # happens, so a failure here cannot leak into later tests as a ResourceWarning.
+    with subprocess.Popen(
         [
             str(exe),
             "--settings",
@@ -286,18 +295,19 @@ def test_exporter_command_serves_the_named_metrics_in_prometheus_format(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()  # printed once the first report is in
-        match = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
-        assert match, line + (process.stdout.read() if process.poll() is not None else "")
-        body = requests.get(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=10).text
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        if process.stdout is not None:
-            process.stdout.close()
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline()  # printed once the first report is in
+            match = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+            assert match, line + (process.stdout.read() if process.poll() is not None else "")
+            body = requests.get(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=10).text
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=120)  # a deadline for a hang, not a bound
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     assert process.returncode == 0  # SIGTERM stops it cleanly
     samples: dict[str, list[dict[str, str]]] = {}
     for family in text_string_to_metric_families(body):
