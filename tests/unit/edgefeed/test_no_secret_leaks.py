@@ -59,6 +59,7 @@ COMMANDS = {
     "connectors resume",
     "connectors delete",
     "pipeline run",
+    "pipeline verify",
     "cache get",
     "workers serve",
     "workers bench",
@@ -76,10 +77,14 @@ def _leaf_commands() -> set[str]:
     found: set[str] = set()
 
     def walk(command: Command, path: list[str]) -> None:
-        subcommands = getattr(command, "commands", None)
-        if subcommands:
-            for name, sub in subcommands.items():
-                walk(sub, [*path, name])
+        # Through click's API, so the root's lazily imported groups are seen too.
+        lister = getattr(command, "list_commands", None)
+        if lister is not None:
+            ctx = typer.Context(command)
+            for name in lister(ctx):
+                sub = command.get_command(ctx, name)  # type: ignore[attr-defined]
+                if sub is not None:
+                    walk(sub, [*path, name])
         else:
             found.add(" ".join(path))
 
@@ -122,7 +127,8 @@ regions:
     residency_zone: us
 sources:
   - name: shop
-    tables: [{{name: public.users, key: [user_id], home_region_column: home_region}}]
+    tables: [{{name: public.users, key: [user_id], home_region_column: home_region,
+              replica_identity: full}}]
 """
 
 
@@ -299,6 +305,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("workers", "bench", "--url", bench_url, "--requests", "1")),
         Case(inline, ("pipeline", "run", "--role", "router")),
         Case(inline, ("pipeline", "run", "--region", "eu-west")),
+        Case(inline, ("pipeline", "verify", "--json")),
         Case(inline, ("preprocess", str(tmp_path / "missing.jpg"), "--out", str(tmp_path))),
     ]
     assert {" ".join(c.args[:2]) if c.args[0] in _GROUPS else c.args[0] for c in cases} == COMMANDS
@@ -352,6 +359,7 @@ SETTINGS_COMMANDS = [
     ("connectors", "restart"),
     ("connectors", "delete", "--yes"),
     ("pipeline", "run", "--role", "router"),
+    ("pipeline", "verify"),
     ("cache", "get", "user", "1", "--region", "eu"),
     ("workers", "seed-demo", "--region", "eu"),
 ]
@@ -391,7 +399,7 @@ def test_demo_load_reports_an_unreachable_database_as_an_error(
     result = CliRunner().invoke(app, ["--settings", settings_files["inline"], "demo", "load"])
     # A typed error and exit 1, not a traceback of psycopg's exception.
     assert isinstance(result.exception, SystemExit), result.exception
-    assert result.exit_code == 1
+    assert result.exit_code == 1, result.output
     said = " ".join(result.output.split())
     assert "cannot create the demo tables in the database postgres@127.0.0.1:" in said
     assert "is PostgreSQL running" in said
