@@ -202,6 +202,12 @@ class KeyLayout:
         """The registry key of one schema version (``ef:schema:user:2``)."""
         return f"{self.namespace}:schema:{entity}:{version}"
 
+    def writer_marker_key(self, writer: str) -> str:
+        """A key one writer process keeps alive (with an expiry it refreshes) to notice
+        that the cache lost its data: gone while the writer lives means the Redis was
+        emptied or restarted without persistence (``ef:writer:<id>``)."""
+        return f"{self.namespace}:writer:{writer}"
+
     def entity_pattern(self) -> str:
         """A SCAN pattern matching every entity key (``ef:{*:*``)."""
         return f"{self.namespace}:{{*:*"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -194,17 +195,25 @@ _UNAVAILABLE = (
 )
 
 
+_MARKER_TTL_S = 300  # refreshed every INTACT_CHECK_S; outlives a stalled worker
+
+
 class _FaustCache:
     """CacheSink: the region's Redis through edge_cache's writer (opened lazily)."""
 
-    def __init__(self, region: RegionSettings, engine: FeatureEngine) -> None:
+    def __init__(self, region: RegionSettings, engine: FeatureEngine, worker_id: str) -> None:
         self.region, self.engine = region, engine
         self._writer: AsyncFeatureWriter | None = None
+        self._worker_id = worker_id
+        self._marked = False
 
     async def writer(self) -> AsyncFeatureWriter:
         if self._writer is None:
             self._writer = AsyncFeatureWriter.from_region(self.region, self.engine.schemas)
             await self._writer.publish_schemas()
+            marker = self._writer.core.layout.writer_marker_key(self._worker_id)
+            await self._writer.client.set(marker, b"1", ex=_MARKER_TTL_S)
+            self._marked = True  # from now on, a missing marker means lost data
         return self._writer
 
     async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
@@ -214,14 +223,27 @@ class _FaustCache:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
 
     async def intact(self) -> bool:
-        """The schema registry is written first and never deleted: if it is gone, the
-        Redis lost its data (restarted without persistence, or flushed)."""
+        """Whether the cache still holds what this worker wrote.
+
+        Each worker keeps a marker key of its own alive (an expiry refreshed at every
+        check; EXPIRE answers 0 once the key is gone): if it is gone, the Redis lost
+        its data (restarted without persistence, or flushed) and this worker must write
+        its states again. The schema registry is republished by whoever finds it gone.
+        A marker per worker, because with several workers in a region the first to
+        notice must not hide the loss from the others.
+        """
         try:
             cache = await self.writer()
             keys = [key for key, _document, _schema in cache.core.schema_documents()]
-            if await cache.client.exists(*keys) == len(keys):
+            if await cache.client.exists(*keys) != len(keys):
+                await cache.publish_schemas()
+            marker = cache.core.layout.writer_marker_key(self._worker_id)
+            if await cache.client.expire(marker, _MARKER_TTL_S):
                 return True
-            await cache.publish_schemas()
+            await cache.client.set(marker, b"1", ex=_MARKER_TTL_S)
+            if not self._marked:  # this worker's first check: nothing written was lost
+                self._marked = True
+                return True
             return False
         except _UNAVAILABLE as exc:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
@@ -312,7 +334,7 @@ def build_region_app(
         app_id=app_id,
         engine=engine,
         partition_of=partition_of,
-        cache=_FaustCache(region, engine),
+        cache=_FaustCache(region, engine, f"{app_id}:{uuid.uuid4().hex[:12]}"),
         changelog=_FaustChangelog(app, state),
         dead_letters=_FaustDeadLetters(dead, region_name),
         acker=acker,

@@ -378,6 +378,10 @@ class Suite:
             await producer.stop()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="four faults (the CI variant)")
@@ -386,6 +390,8 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=120.0, help="recovery deadline")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
+    # SIGTERM (a test's timeout, a supervisor) unwinds like Ctrl-C: the stack stops.
+    signal.signal(signal.SIGTERM, _interrupt)
     state = Path(tempfile.mkdtemp(prefix="edgefeed-faults-"))
     state.chmod(0o755)
     suite = Suite(state, args.rate, args.load_s)
