@@ -185,8 +185,8 @@ class Suite:
     def regions(self) -> list[str]:
         return self.settings.region_names
 
-    def start_app(self, name: str) -> None:
-        args = ["--role", "router"] if name == "router" else ["--region", name]
+    def start_app(self, name: str, region: str | None = None) -> None:
+        args = ["--role", "router"] if name == "router" else ["--region", region or name]
         argv = [EDGEFEED, "--settings", str(self.settings_file), "pipeline", "run", *args]
         self.stack.start_app(name, argv, ready="Worker]: Ready", timeout_s=180)
 
@@ -309,6 +309,12 @@ class Suite:
 
             return inject
 
+        def scale_out() -> None:
+            # Two more workers join eu-west's group; one of them is killed -9.
+            self.start_app("eu-west-2", region="eu-west")
+            self.start_app("eu-west-3", region="eu-west")
+            self.kill9("eu-west-2", app=True)
+
         def pause_redis() -> None:
             url = self.settings.region("eu-west").redis_url
             with redis.Redis.from_url(url) as client:
@@ -330,6 +336,7 @@ class Suite:
                 ("kill -9 Redis us-east (data lost)", restart_service("redis-us-east")),
                 ("kill -9 Kafka Connect", restart_service("connect")),
                 ("kill -9 PostgreSQL", restart_service("postgres")),
+                ("eu-west scaled to 3 workers, one killed -9", scale_out),
             ]
         return chosen
 
