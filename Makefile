@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.edgefeed-installed
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-unit lint bench faults up down clean
+.PHONY: help install demo test test-unit lint bench faults faults-short up down clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -38,6 +38,9 @@ bench: $(STAMP) ## Run every benchmark (see docs/benchmarks.md)
 
 faults: $(STAMP) ## Run the fault suite on its own local stack (see docs/operations.md)
 	$(BIN)/python scripts/fault_suite.py
+
+faults-short: $(STAMP) ## The fault suite's four-fault variant (~2 min on a quiet machine)
+	$(BIN)/python scripts/fault_suite.py --short
 
 up: $(STAMP) ## Start the local stack (edgefeed dev up)
 	$(BIN)/edgefeed --settings examples/edgefeed.yaml dev up
