@@ -81,7 +81,9 @@ def _expected(user: int, items: list[int]) -> np.ndarray:
 
 
 def _source(url: str) -> EdgeCacheFeatureSource:
-    return EdgeCacheFeatureSource(AsyncFeatureClient("eu-west", [_region(url)], CONFIG.schemas()))
+    # Not a test of deadlines: a busy CI machine must not turn a slow read into a 503.
+    client = AsyncFeatureClient("eu-west", [_region(url)], CONFIG.schemas(), timeout_s=5.0)
+    return EdgeCacheFeatureSource(client)
 
 
 def _ranker(url: str) -> Ranker:
