@@ -16,6 +16,7 @@ import contextvars
 import logging
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, Self
@@ -242,7 +243,7 @@ def _loop_time(deadline: float) -> float:
     return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
-class _Base:
+class _Base(ABC):
     """Feature lookups from one region's edge cache, with failover.
 
     Args:
@@ -320,8 +321,9 @@ class _Base:
         self._connect_regions()
         self._start_listeners()
 
+    @abstractmethod
     def _connect_regions(self) -> None:
-        raise NotImplementedError
+        """Open the face's connections to every region (sync or async pools)."""
 
     @classmethod
     def from_settings(

@@ -9,6 +9,7 @@ and how to read its features' values from that index.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -35,7 +36,7 @@ class AggregateRead:
     n: int
 
 
-class Aggregate:
+class Aggregate(ABC):
     """One kind of aggregate (``agg:`` in the settings)."""
 
     name: ClassVar[str]
@@ -53,12 +54,13 @@ class Aggregate:
         """Rows the state must keep whatever their age (last_n: its n newest)."""
         return 0
 
-    def require(self, group: GroupSpec, column: str) -> None:
-        """Tell the window group what to accumulate for this aggregate."""
+    def require(self, group: GroupSpec, column: str) -> None:  # noqa: B027 - most need nothing
+        """Tell the window group what to accumulate for this aggregate (count needs
+        nothing beyond the group's row count)."""
 
+    @abstractmethod
     def read(self, at: AggregateRead) -> list[Any]:
         """The values of the aggregate's features (one, or ``n``)."""
-        raise NotImplementedError(f"aggregate {self.name} does not implement read()")
 
 
 def _padded(values: list[Any], n: int) -> list[Any]:
