@@ -10,8 +10,14 @@ from pipeline.validate import check_feature_columns
 __all__ = ["pipeline_config"]
 
 
-def pipeline_config(settings: EdgefeedSettings, *, check_database: bool = True) -> PipelineConfig:
+def pipeline_config(
+    settings: EdgefeedSettings, *, check_database: bool = True, region: str | None = None
+) -> PipelineConfig:
     """The pipeline's configuration; with ``check_database``, feature columns are checked.
+
+    With ``region``, the Kafka settings are that region's site's (its own broker
+    when ``sites.regions`` names one): a regional worker, its changelog and its
+    dead letters live there.
 
     Raises:
         SettingsError: no entities are declared.
@@ -26,7 +32,7 @@ def pipeline_config(settings: EdgefeedSettings, *, check_database: bool = True) 
         tables = sorted({t for entity in settings.entities for t in entity.tables})
         check_feature_columns(settings.entities, table_columns(settings.database, tables))
     return PipelineConfig(
-        kafka=settings.kafka,
+        kafka=settings.kafka if region is None else settings.region_kafka(region),
         pipeline=settings.pipeline,
         entities=settings.entities,
         tables=settings.tables(),

@@ -24,6 +24,7 @@ from connectors.secrets import is_secret_key, redact, redact_urls, url_secrets
 from connectors.settings import ConnectSettings, DatabaseSettings, SourceSettings, TableSettings
 from edge_cache.settings import RegionSettings
 from edgefeed.errors import EdgefeedError
+from edgefeed.sites import SitesSettings
 from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
 
 __all__ = [
@@ -64,6 +65,7 @@ class EdgefeedSettings(BaseSettings):
     sources: list[SourceSettings] = Field(default_factory=list)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
     entities: list[EntitySettings] = Field(default_factory=list)
+    sites: SitesSettings = Field(default_factory=SitesSettings)
 
     @model_validator(mode="after")
     def _regions_consistent(self) -> EdgefeedSettings:
@@ -93,6 +95,12 @@ class EdgefeedSettings(BaseSettings):
                         f"entity {entity.name!r} reads table {table}, which no source captures; "
                         f"captured tables: {', '.join(sorted(captured)) or '(none)'}"
                     )
+        for region_name in self.sites.regions:
+            if region_name not in seen:
+                raise ValueError(
+                    f"sites.regions names {region_name!r}, which is not a declared region: "
+                    f"{', '.join(names)}"
+                )
         source_names = [source.name for source in self.sources]
         for name in set(source_names):
             if source_names.count(name) > 1:
@@ -123,6 +131,19 @@ class EdgefeedSettings(BaseSettings):
         raise SettingsError(
             f"region {name!r} not in regions: {', '.join(r.name for r in self.regions)}"
         )
+
+    def region_kafka(self, name: str) -> KafkaSettings:
+        """The Kafka settings of region ``name``'s own site: its broker when
+        ``sites.regions`` names one, else the central ``kafka`` settings.
+
+        Raises:
+            SettingsError: no such region.
+        """
+        self.region(name)
+        bootstrap = self.sites.bootstrap_of(name)
+        if bootstrap is None:
+            return self.kafka
+        return self.kafka.model_copy(update={"bootstrap_servers": bootstrap})
 
     def tables(self) -> dict[str, TableSettings]:
         """Every captured table, by ``schema.table``."""

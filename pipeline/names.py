@@ -46,6 +46,11 @@ class PipelineNames:
         prefix = self.region_group_prefix
         return (group[len(prefix) :] or None) if group.startswith(prefix) else None
 
+    def forward_group(self, region: str) -> str:
+        """The consumer group (on the central broker) of a region's forwarder
+        (pipeline.forward), when the region has a broker of its own."""
+        return f"{self.app_prefix}-forward-{region}"
+
     def region_topic(self, region: str) -> str:
         """The topic the router writes a region's changes to."""
         return f"{self.region_topic_prefix}.{region}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -113,6 +113,87 @@ def logs(
         text = run_reported(lambda name=name: stack.tail(name, lines))  # type: ignore[misc]
         console.rule(f"{name} ({stack.log_path(name)})")
         console.print(text, markup=False, highlight=False)
+
+
+wan_app = typer.Typer(
+    help="The emulated WAN links between the sites (settings: sites:).", no_args_is_help=True
+)
+dev_app.add_typer(wan_app, name="wan")
+LinkName = Annotated[str, typer.Argument(help="Link name (see `edgefeed dev wan status`).")]
+
+
+def _wan(state_dir: Path) -> Any:
+    from edgefeed.wan import WanControl
+
+    return WanControl(state_dir.resolve() / "run" / "wan.sock")
+
+
+def _print_links(links: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(links, indent=2))
+        return
+    table = Table(title="edgefeed WAN links (seen: observed one-way delay)")
+    columns = ("link", "state", "delay", "jitter", "Mbit/s", "seen", "up B", "down B", "conns")
+    for column in columns:
+        table.add_column(column)
+    for link in links:
+        state = link["state"]
+        if link.get("cut_for_s") is not None:
+            state = f"cut {link['cut_for_s']:.0f}s"
+        table.add_row(
+            link["name"],
+            f"[{'green' if link['state'] == 'healed' else 'red'}]{state}[/]",
+            f"{link['delay_ms']:g} ms",
+            f"{link['jitter_ms']:g} ms",
+            "-" if link["bandwidth_mbit"] is None else f"{link['bandwidth_mbit']:g}",
+            f"{link['observed_delay_ms']:.1f} ms",
+            str(link["bytes_up"]),
+            str(link["bytes_down"]),
+            str(link["connections_open"]),
+        )
+    console.print(table)
+
+
+@wan_app.command("status")
+def wan_status(state_dir: StateDir = Path(".edgefeed"), as_json: JsonFlag = False) -> None:
+    """Each link: cut or healed, its settings, observed delay, bytes each way."""
+    _print_links(run_reported(lambda: _wan(state_dir).status()), as_json)
+
+
+@wan_app.command("cut")
+def wan_cut(
+    link: LinkName, state_dir: StateDir = Path(".edgefeed"), as_json: JsonFlag = False
+) -> None:
+    """Partition a link: nothing crosses it (connections stall, none is refused)."""
+    _print_links([run_reported(lambda: _wan(state_dir).cut(link))], as_json)
+
+
+@wan_app.command("heal")
+def wan_heal(
+    link: LinkName, state_dir: StateDir = Path(".edgefeed"), as_json: JsonFlag = False
+) -> None:
+    """End a partition: the held bytes cross, in order."""
+    _print_links([run_reported(lambda: _wan(state_dir).heal(link))], as_json)
+
+
+@wan_app.command("set")
+def wan_set(
+    link: LinkName,
+    delay_ms: Annotated[float | None, typer.Option(help="One-way delay.")] = None,
+    jitter_ms: Annotated[float | None, typer.Option(help="Delay variation, +/-.")] = None,
+    bandwidth_mbit: Annotated[
+        float | None, typer.Option(help="Cap per direction; 0 removes it.")
+    ] = None,
+    state_dir: StateDir = Path(".edgefeed"),
+    as_json: JsonFlag = False,
+) -> None:
+    """Change a link's delay, jitter or bandwidth until the emulator restarts."""
+    result = run_reported(
+        lambda: _wan(state_dir).set(
+            link, delay_ms=delay_ms, jitter_ms=jitter_ms, bandwidth_mbit=bandwidth_mbit
+        )
+    )
+    _print_links([result], as_json)
 
 
 def register(app: typer.Typer) -> None:

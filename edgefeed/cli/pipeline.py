@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from edgefeed.cli._common import EXIT_USAGE, console, err_console, run_reported, settings_of
+from edgefeed.cli._common import (
+    EXIT_USAGE,
+    console,
+    err_console,
+    fail,
+    run_reported,
+    settings_of,
+)
 
 __all__ = ["register"]
 
@@ -19,41 +26,57 @@ pipeline_app = typer.Typer(
 @pipeline_app.command("run")
 def run(
     ctx: typer.Context,
-    role: Annotated[str | None, typer.Option(help="'router' to run the router.")] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(help="'router', or 'forwarder' (with --region: its sites forwarder)."),
+    ] = None,
     region: Annotated[str | None, typer.Option(help="Run this region's feature worker.")] = None,
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus metrics on this port.")
     ] = None,
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
-    """Start a Faust worker: `--role router`, or `--region NAME`."""
+    """Start a worker: `--role router`, `--region NAME`, or `--role forwarder --region NAME`."""
+    if role == "forwarder":
+        if region is None:
+            err_console.print("error: --role forwarder needs --region NAME")
+            raise typer.Exit(EXIT_USAGE)
+        _run_forwarder(ctx, region, loglevel)
+        return
     if (role is None) == (region is None) or (role is not None and role != "router"):
-        err_console.print("error: give exactly one of --role router or --region NAME")
+        err_console.print(
+            "error: give exactly one of --role router or --region NAME "
+            "(or --role forwarder --region NAME)"
+        )
         raise typer.Exit(EXIT_USAGE)
     from edgefeed.pipeline_config import pipeline_config  # imports the Faust app
 
     settings = settings_of(ctx)
-    config = run_reported(lambda: pipeline_config(settings))
     if region is not None:
         run_reported(lambda: settings.region(region))
+    config = run_reported(lambda: pipeline_config(settings, region=region))
 
     import faust  # heavy: only when a worker starts
 
     from pipeline.app import build_region_app, build_router_app
     from pipeline.topics import ensure_topics
 
-    topics = {
-        settings.pipeline.region_topic(r): settings.pipeline.partitions
-        for r in settings.region_names
-    }
-    topics[settings.pipeline.dead_letter_topic] = 1
     if role == "router":
+        topics = {
+            settings.pipeline.region_topic(r): settings.pipeline.partitions
+            for r in settings.region_names
+        }
         for source in settings.sources:
             for table in source.tables:
                 topics[source.topic_for(table.name)] = source.partitions
+    else:
+        # On the region's own broker (the central one without sites): its change
+        # topic (the forwarder fills it) and its dead letters.
+        topics = {settings.pipeline.region_topic(region or ""): settings.pipeline.partitions}
+    topics[settings.pipeline.dead_letter_topic] = 1
     asyncio.run(
         ensure_topics(
-            settings.kafka.bootstrap_servers,
+            config.kafka.bootstrap_servers,
             topics,
             replication_factor=settings.pipeline.replication_factor,
         )
@@ -73,6 +96,79 @@ def run(
     )
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
+
+
+FORWARDER_READY = "forwarder ready"
+
+
+def _run_forwarder(ctx: typer.Context, region: str, loglevel: str) -> None:
+    import logging
+    import signal
+
+    from edgefeed.settings import SettingsError
+    from pipeline.forward import Forwarder, ForwardSpec
+    from pipeline.topics import ensure_topics
+
+    settings = settings_of(ctx)
+    run_reported(lambda: settings.region(region))
+    target = settings.sites.bootstrap_of(region)
+    if target is None:
+        fail(
+            SettingsError(
+                f"region {region!r} shares the central broker: a forwarder runs only for "
+                "regions with a site of their own (name it under sites.regions)"
+            )
+        )
+    logging.basicConfig(
+        level=loglevel.upper(), format="[%(asctime)s] [%(process)d] %(levelname)s %(message)s"
+    )
+    compression = settings.sites.compression
+    names, pipeline = settings.pipeline.names, settings.pipeline
+    forwarder = Forwarder(
+        ForwardSpec(
+            region=region,
+            topic=names.region_topic(region),
+            partitions=pipeline.partitions,
+            group=names.forward_group(region),
+            source=settings.kafka.bootstrap_servers,
+            target=target,
+            address_map=settings.sites.remote_address_map(region),
+            compression=None if compression == "none" else compression,
+            batch_max=pipeline.batch_max,
+            linger_ms=settings.kafka.linger_ms,
+            fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+            client_id=settings.kafka.client_id,
+        )
+    )
+    log = logging.getLogger("edgefeed.forward")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, forwarder.stop)
+        await ensure_topics(
+            settings.kafka.bootstrap_servers,
+            {names.region_topic(region): pipeline.partitions},
+            replication_factor=pipeline.replication_factor,
+        )
+        await forwarder.retrying(forwarder.ensure_target_topic, "create its topic there")
+        ready = asyncio.Event()
+        task = asyncio.create_task(forwarder.run(ready=ready))
+        await ready.wait()
+        log.info("%s: region %s, %s", FORWARDER_READY, region, ", ".join(target))
+        while not task.done():
+            await asyncio.wait([task], timeout=10)
+            stats = forwarder.stats
+            log.info(
+                "region %s: %d records in %d batches forwarded, %d retries",
+                region,
+                stats.records,
+                stats.batches,
+                stats.retries,
+            )
+        await task
+
+    asyncio.run(main())
 
 
 EXIT_MISMATCH = 3

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
 import socket
 import struct
 import subprocess
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ __all__ = [
     "PostgresService",
     "RedisService",
     "Service",
+    "WanService",
     "kafka_api_versions_ok",
 ]
 
@@ -408,6 +411,51 @@ class ConnectService(Service):
         if response.status_code != 200:
             return f"Kafka Connect REST at {url} answered {response.status_code}"
         return None
+
+
+@dataclass(slots=True)
+class WanService(Service):
+    """The WAN link emulator (edgefeed.wan), one process for every link.
+
+    ``port`` is its first link's port; the others are in ``links``. It is
+    controlled through a Unix socket (``control``), not a port.
+    """
+
+    links: list[dict[str, object]] = field(default_factory=list)
+    control: Path = Path()
+    kind: str = field(default="wan-emulator", init=False)
+
+    @property
+    def links_file(self) -> Path:
+        return self.home / "links.json"
+
+    def prepare(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.control.parent.mkdir(parents=True, exist_ok=True)
+        # Written at every start: the settings are the links' starting point
+        # (changes made with `edgefeed dev wan set` last until the emulator stops).
+        self.links_file.write_text(json.dumps(self.links, indent=2))
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "edgefeed.wan",
+            "--links",
+            str(self.links_file),
+            "--control",
+            str(self.control),
+        ]
+
+    def probe(self) -> str | None:
+        from edgefeed.wan import WanControl, WanError
+
+        try:
+            running = {link["name"] for link in WanControl(self.control, timeout_s=2).status()}
+        except WanError as exc:
+            return str(exc)
+        missing = sorted({str(link["name"]) for link in self.links} - running)
+        return f"links not running: {', '.join(missing)}" if missing else None
 
 
 def url_port(url: str, default: int) -> tuple[str, int]:

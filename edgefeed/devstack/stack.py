@@ -33,6 +33,7 @@ from edgefeed.devstack.services import (
     PostgresService,
     RedisService,
     Service,
+    WanService,
     url_port,
 )
 from edgefeed.settings import EdgefeedSettings
@@ -135,6 +136,19 @@ class DevStack:
                 start_timeout_s=30,
             )
         )
+        for region_name, site in settings.sites.regions.items():
+            bhost, _, bport = site.bootstrap_servers[0].rpartition(":")
+            setting = f"sites.regions.{region_name}.bootstrap_servers"
+            _loopback(bhost, setting, site.bootstrap_servers[0])
+            services.append(
+                BrokerService(
+                    f"broker-{region_name}",
+                    int(bport),
+                    setting,
+                    self._home(f"broker-{region_name}"),
+                    start_timeout_s=30,
+                )
+            )
         db = settings.database
         _loopback(db.host, "database.host", db.host)
         services.append(
@@ -186,7 +200,22 @@ class DevStack:
                     bootstrap=f"127.0.0.1:{port}",
                 )
             )
+        links = settings.sites.link_specs()
+        if links:
+            services.append(
+                WanService(
+                    "wan",
+                    int(str(links[0]["listen_port"])),
+                    "sites",
+                    self._home("wan"),
+                    start_timeout_s=20,
+                    links=links,
+                    control=self.wan_control_path,
+                )
+            )
         seen: dict[int, str] = {}
+        for link in links[1:]:
+            seen[int(str(link["listen_port"]))] = f"sites link {link['name']}"
         for service in services:
             if service.port in seen:
                 raise PortInUseError(
@@ -198,6 +227,11 @@ class DevStack:
 
     def _home(self, name: str) -> Path:
         return self.state_dir / "services" / name
+
+    @property
+    def wan_control_path(self) -> Path:
+        """The WAN emulator's control socket (``edgefeed dev wan``)."""
+        return self.state_dir / "run" / "wan.sock"
 
     def pid_path(self, name: str) -> Path:
         return self.state_dir / "run" / f"{name}.pid"

@@ -23,12 +23,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edgefeed.wan.exceptions import UnknownLinkError, WanControlError, WanError
+from edgefeed.wan.exceptions import (
+    LinkSettingError,
+    UnknownLinkError,
+    WanControlError,
+    WanError,
+)
 from edgefeed.wan.proxy import Link
 
 __all__ = ["ControlServer", "WanControl"]
 
 _MAX_LINE = 64 * 1024
+_KINDS: dict[type[WanError], str] = {
+    UnknownLinkError: "unknown-link",
+    LinkSettingError: "bad-value",
+}
+_ERRORS: dict[str, type[WanError]] = {kind: cls for cls, kind in _KINDS.items()}
 
 
 def _number(request: Mapping[str, Any], key: str) -> float | None:
@@ -91,7 +101,7 @@ class ControlServer:
                 raise WanError(f"unknown op {op!r}; ops: status, cut, heal, set")
             return {"ok": True, "link": self._link(request).status()}
         except WanError as exc:
-            return {"ok": False, "error": str(exc)}
+            return {"ok": False, "error": str(exc), "kind": _KINDS.get(type(exc), "error")}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -127,6 +137,7 @@ class WanControl:
         Raises:
             WanControlError: the emulator does not answer.
             UnknownLinkError: the request names no running link.
+            LinkSettingError: a value is out of range.
             WanError: the emulator refused the request; the message says why.
         """
         try:
@@ -148,8 +159,7 @@ class WanControl:
         answer: dict[str, Any] = json.loads(data or b"{}")
         if not answer.get("ok"):
             error = str(answer.get("error", "no answer"))
-            kind = UnknownLinkError if error.startswith("no link") else WanError
-            raise kind(error)
+            raise _ERRORS.get(str(answer.get("kind")), WanError)(error)
         return answer
 
     def status(self) -> list[dict[str, Any]]:

@@ -49,6 +49,10 @@ COMMANDS = {
     "dev status",
     "dev down",
     "dev logs",
+    "dev wan status",
+    "dev wan cut",
+    "dev wan heal",
+    "dev wan set",
     "demo load",
     "demo run",
     "connectors plan",
@@ -296,6 +300,10 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("dev", "status", "--json", *state), in_process=True),
         Case(inline, ("dev", "down", *state), in_process=True),
         Case(inline, ("dev", "logs", *state), in_process=True),
+        Case(inline, ("dev", "wan", "status", "--json", *state), in_process=True),
+        Case(inline, ("dev", "wan", "cut", "central-eu-west", *state), in_process=True),
+        Case(inline, ("dev", "wan", "heal", "central-eu-west", *state), in_process=True),
+        Case(inline, ("dev", "wan", "set", "x", "--delay-ms", "1", *state), in_process=True),
         Case(inline, ("cache", "get", "user", "1", "--region", "eu-west", "--timeout-s", "1")),
         Case(
             inline, ("cache", "get", "user", "1", "--region", "us-east", "--json"), in_process=True
@@ -305,10 +313,11 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("workers", "bench", "--url", bench_url, "--requests", "1")),
         Case(inline, ("pipeline", "run", "--role", "router")),
         Case(inline, ("pipeline", "run", "--region", "eu-west")),
+        Case(inline, ("pipeline", "run", "--role", "forwarder", "--region", "eu-west")),
         Case(inline, ("pipeline", "verify", "--json")),
         Case(inline, ("preprocess", str(tmp_path / "missing.jpg"), "--out", str(tmp_path))),
     ]
-    assert {" ".join(c.args[:2]) if c.args[0] in _GROUPS else c.args[0] for c in cases} == COMMANDS
+    assert {_command_of(c.args) for c in cases} == COMMANDS
     env = _env(tmp_path)
     outputs: dict[Case, str] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -325,6 +334,14 @@ def test_no_command_prints_a_secret_against_unreachable_services(
 
 
 _GROUPS = {"dev", "demo", "connectors", "pipeline", "cache", "workers"}
+_SUBGROUPS = {("dev", "wan")}
+
+
+def _command_of(args: tuple[str, ...]) -> str:
+    if tuple(args[:2]) in _SUBGROUPS:
+        return " ".join(args[:3])
+    return " ".join(args[:2]) if args[0] in _GROUPS else args[0]
+
 
 BAD_SETTINGS = {
     "bad-yaml": 'database:\n  password: "{pw}\n  host: [unclosed\n',

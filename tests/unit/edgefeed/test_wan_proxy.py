@@ -122,8 +122,10 @@ async def test_control_api_over_the_unix_socket(link: Link) -> None:
         assert (changed["delay_ms"], changed["bandwidth_mbit"]) == (100, 20)
         with pytest.raises(UnknownLinkError, match="central-eu-west"):
             await asyncio.to_thread(control.cut, "central-mars")
-        with pytest.raises(WanError, match="jitter_ms -1"):
+        with pytest.raises(LinkSettingError, match="jitter_ms -1"):
             await asyncio.to_thread(lambda: control.set("central-eu-west", jitter_ms=-1))
+        with pytest.raises(WanError, match="unknown op 'explode'"):
+            await asyncio.to_thread(lambda: control.request({"op": "explode"}))
         assert (await asyncio.to_thread(control.status))[0]["delay_ms"] == 100  # still serving
     finally:
         await server.close()

@@ -1,0 +1,108 @@
+"""The sites: section: a broker per region, links, and what the stack plans from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgefeed.devstack import DevStack, PortInUseError
+from edgefeed.settings import SettingsError, settings_from_mapping
+
+BASE: dict[str, Any] = {
+    "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
+    "regions": [
+        {"name": "eu-west", "redis_url": "redis://127.0.0.1:6379/0", "residency_zone": "eu"},
+        {"name": "us-east", "redis_url": "redis://127.0.0.1:6380/0", "residency_zone": "us"},
+    ],
+}
+SITES: dict[str, Any] = {
+    "regions": {
+        "eu-west": {
+            "bootstrap_servers": "127.0.0.1:9192",
+            "link": {"listen_port": 9193, "delay_ms": 100, "jitter_ms": 2},
+        }
+    },
+    "links": {"client-eu-west": {"listen_port": 6479, "target": "127.0.0.1:6379", "delay_ms": 15}},
+}
+
+
+def with_sites(sites: dict[str, Any]) -> dict[str, Any]:
+    return {**BASE, "sites": sites}
+
+
+def test_without_sites_every_region_uses_the_central_broker() -> None:
+    settings = settings_from_mapping(BASE)
+    assert not settings.sites.enabled
+    for region in ("eu-west", "us-east"):
+        assert settings.region_kafka(region).bootstrap_servers == ["127.0.0.1:9092"]
+
+
+def test_a_region_with_a_site_uses_its_own_broker_and_the_others_the_central_one() -> None:
+    settings = settings_from_mapping(with_sites(SITES))
+    eu = settings.region_kafka("eu-west")
+    assert eu.bootstrap_servers == ["127.0.0.1:9192"]
+    assert eu.session_timeout_ms == settings.kafka.session_timeout_ms  # the rest is kept
+    assert settings.region_kafka("us-east").bootstrap_servers == ["127.0.0.1:9092"]
+    assert settings.sites.remote_address_map("eu-west") == {"127.0.0.1:9192": "127.0.0.1:9193"}
+    assert settings.sites.remote_address_map("us-east") == {}
+    assert settings.sites.compression == "zstd"
+
+
+def test_links_are_named_and_target_their_endpoints() -> None:
+    specs = {
+        spec["name"]: spec for spec in settings_from_mapping(with_sites(SITES)).sites.link_specs()
+    }
+    assert specs["central-eu-west"]["target"] == "127.0.0.1:9192"
+    assert specs["central-eu-west"]["delay_ms"] == 100
+    assert specs["client-eu-west"]["target"] == "127.0.0.1:6379"
+
+
+@pytest.mark.parametrize(
+    ("sites", "named"),
+    [
+        ({"regions": {"mars": {"bootstrap_servers": "127.0.0.1:1"}}}, "'mars'"),
+        ({"regions": {"eu-west": {"bootstrap_servers": "nohostport"}}}, "nohostport"),
+        (
+            {
+                "regions": {
+                    "eu-west": {"bootstrap_servers": "127.0.0.1:1", "link": {"listen_port": 7}}
+                },
+                "links": {"other": {"listen_port": 7, "target": "127.0.0.1:2"}},
+            },
+            "port 7",
+        ),
+        ({"links": {"x": {"listen_port": 8, "target": "127.0.0.1:2", "delay_ms": -1}}}, "delay_ms"),
+        ({"compression": "brotli"}, "compression"),
+        ({"regions": {"eu-west": {"bootstrap_servers": "127.0.0.1:1", "linkk": {}}}}, "linkk"),
+    ],
+)
+def test_bad_sites_settings_name_the_value(sites: dict[str, Any], named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        settings_from_mapping(with_sites(sites))
+
+
+def test_the_stack_plans_a_broker_per_site_and_one_emulator(tmp_path: Path) -> None:
+    stack = DevStack(settings_from_mapping(with_sites(SITES)), tmp_path, with_connect=False)
+    kinds = {service.name: service.kind for service in stack.services}
+    assert kinds["broker"] == kinds["broker-eu-west"] == "kafka-broker"
+    assert kinds["wan"] == "wan-emulator"
+    assert "broker-us-east" not in kinds
+    assert stack.service("broker-eu-west").port == 9192
+
+
+def test_the_single_site_stack_is_unchanged(tmp_path: Path) -> None:
+    stack = DevStack(settings_from_mapping(BASE), tmp_path, with_connect=False)
+    assert sorted(s.name for s in stack.services) == [
+        "broker",
+        "postgres",
+        "redis-eu-west",
+        "redis-us-east",
+    ]
+
+
+def test_a_link_port_taken_by_a_service_is_refused(tmp_path: Path) -> None:
+    sites = {**SITES, "links": {"clash": {"listen_port": 6380, "target": "127.0.0.1:6379"}}}
+    with pytest.raises(PortInUseError, match="6380"):
+        DevStack(settings_from_mapping(with_sites(sites)), tmp_path, with_connect=False)
