@@ -113,6 +113,8 @@ class SitesSettings(BaseModel):
         compression: Batch compression of the producers whose records cross a
             link (the forwarders): ``zstd`` (default), ``lz4``, ``gzip``,
             ``snappy`` or ``none``.
+        request_timeout_ms: How long a forwarder waits for the region's broker to
+            acknowledge a batch before sending it again (a cut link).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -120,6 +122,7 @@ class SitesSettings(BaseModel):
     regions: dict[str, RegionSiteSettings] = Field(default_factory=dict)
     links: dict[str, ExtraLinkSettings] = Field(default_factory=dict)
     compression: Compression = "zstd"
+    request_timeout_ms: int = Field(default=10_000, ge=1_000, le=300_000)
 
     @model_validator(mode="after")
     def _names_and_ports(self) -> SitesSettings:

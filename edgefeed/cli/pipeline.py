@@ -138,6 +138,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str) -> None:
             linger_ms=settings.kafka.linger_ms,
             fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
             client_id=settings.kafka.client_id,
+            request_timeout_ms=settings.sites.request_timeout_ms,
         )
     )
     log = logging.getLogger("edgefeed.forward")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from edgefeed.devstack import DevStack, PortInUseError
-from edgefeed.settings import SettingsError, settings_from_mapping
+from edgefeed.settings import SettingsError, load_settings, settings_from_mapping
 
 BASE: dict[str, Any] = {
     "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
@@ -106,3 +106,16 @@ def test_a_link_port_taken_by_a_service_is_refused(tmp_path: Path) -> None:
     sites = {**SITES, "links": {"clash": {"listen_port": 6380, "target": "127.0.0.1:6379"}}}
     with pytest.raises(PortInUseError, match="6380"):
         DevStack(settings_from_mapping(with_sites(sites)), tmp_path, with_connect=False)
+
+
+def test_the_sites_example_is_the_example_plus_its_sites() -> None:
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    single = load_settings(examples / "edgefeed.yaml")
+    sites = load_settings(examples / "edgefeed-sites.yaml")
+    assert sites.model_dump(exclude={"sites"}) == single.model_dump(exclude={"sites"})
+    assert set(sites.sites.regions) == set(sites.region_names)
+    delays = {link["name"]: link["delay_ms"] for link in sites.sites.link_specs()}
+    assert delays["central-eu-west"] == 100
+    assert delays["central-us-east"] == 50
+    assert delays["central-ap-southeast"] == 60
+    assert delays["client-eu-west"] == 15

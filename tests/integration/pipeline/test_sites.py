@@ -1,0 +1,333 @@
+"""Regions as real sites: a broker per region behind emulated WAN links.
+
+On the session's stack (PostgreSQL, Debezium, the central broker, a Redis per
+region) this module adds a Tansu broker per region and the WAN emulator, with
+the links' one-way delays of the example (central <-> eu-west 100 ms, us-east
+50 ms, ap-southeast 60 ms), and runs the router, one forwarder and one feature
+worker per region as `edgefeed pipeline run` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+import yaml
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from e2e_harness import EDGEFEED, PipelineRun, shop_settings
+from stackhelpers import REGIONS, drop_slot, free_ports, unique_name
+
+from connectors import deploy
+from connectors.client import ConnectClient
+from edgefeed.devstack import DevStack
+from edgefeed.settings import settings_from_mapping
+from edgefeed.verify import verify
+from edgefeed.wan import WanControl
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[3]
+DELAY_MS = {"eu-west": 100, "us-east": 50, "ap-southeast": 60}
+# User ids per home region: long, distinctive numbers, so a leak shows up as a
+# substring of any record (JSON, keys, Faust's own records) on the wrong site.
+USERS = {
+    region: [base + i for i in range(1, 6)]
+    for region, base in (
+        ("eu-west", 710_000_000),
+        ("us-east", 720_000_000),
+        ("ap-southeast", 730_000_000),
+    )
+}
+MOVER = USERS["eu-west"][4]  # moves from eu-west to us-east
+POISON_USER = 790_000_001  # its event names an unknown region: dead-lettered centrally
+ITEMS = [100 + i for i in range(8)]
+KINDS = ("view", "click", "add_to_cart", "purchase")
+
+
+class SitesRun(PipelineRun):
+    """The pipeline on the sites, plus the sites' own stack (brokers, links)."""
+
+    sites: DevStack
+    wan: WanControl
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        log = self.logs / f"{name}.log"
+        with open(log, "ab") as out:
+            self.procs[name] = subprocess.Popen(
+                [EDGEFEED, "--settings", str(self.settings_file), "pipeline", "run", *args],
+                cwd=self.logs,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, name: str, marker: str, timeout_s: float = 120) -> None:
+        log = self.logs / f"{name}.log"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = log.read_bytes().decode(errors="replace")
+            if marker in text:
+                return
+            if self.procs[name].poll() is not None:
+                raise AssertionError(f"{name} exited during start-up:\n{text[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"{name} not ready in {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+    def sql(self, statement: str, params: Any = None) -> None:
+        with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
+            conn.execute(statement.replace("{s}", self.schema), params)
+
+
+@pytest.fixture(scope="module")
+def sites_run(
+    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SitesRun]:
+    tag = unique_name("sites").lower()
+    schema = f"s_{tag}"
+    mapping = shop_settings(stack_mapping, schema, tag)
+    ports = free_ports(2 * len(REGIONS))
+    mapping["sites"] = {
+        "request_timeout_ms": 3000,  # a cut outlasts it: the forwarder sends again
+        "regions": {
+            name: {
+                "bootstrap_servers": f"127.0.0.1:{ports[2 * i]}",
+                "link": {"listen_port": ports[2 * i + 1], "delay_ms": DELAY_MS[name]},
+            }
+            for i, (name, _zone) in enumerate(REGIONS)
+        },
+    }
+    settings = settings_from_mapping(mapping)
+    folder = tmp_path_factory.mktemp("sites")
+    settings_file = folder / "edgefeed.yaml"
+    settings_file.write_text(yaml.safe_dump(mapping))
+    state = Path(tempfile.mkdtemp(prefix="edgefeed-sites-"))
+    sites = DevStack(
+        settings,
+        state,
+        with_connect=False,
+        only=[*(f"broker-{name}" for name, _ in REGIONS), "wan"],
+    )
+    for region in settings.regions:  # other modules' vectors would not verify
+        with redis.Redis.from_url(region.redis_url) as client:
+            client.flushdb()
+    ddl = (
+        (ROOT / "edgefeed" / "data" / "shop_schema.sql")
+        .read_text()
+        .replace("public.", f"{schema}.")
+    )
+    source = settings.sources[0]
+    client = ConnectClient(settings.connect.url, timeout_s=30)
+    run = SitesRun(settings, settings_file, schema, folder)
+    run.sites, run.wan = sites, WanControl(sites.wan_control_path)
+    try:
+        sites.up()
+        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+            conn.execute(ddl)
+        deploy.apply(client, settings.database, settings.sources, wait_s=90)
+        run.spawn("router", ["--role", "router"])
+        for name in settings.region_names:
+            run.spawn(f"forward-{name}", ["--role", "forwarder", "--region", name])
+            run.spawn(name, ["--region", name])
+        run.wait_ready("router", "Worker]: Ready")
+        for name in settings.region_names:
+            run.wait_ready(f"forward-{name}", "forwarder ready")
+            run.wait_ready(name, "Worker]: Ready")
+        yield run
+    finally:
+        run.stop_all()
+        sites.down()
+        shutil.rmtree(state, ignore_errors=True)
+        client.delete(source.connector_name)
+        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+            drop_slot(conn, source.effective_slot_name, source.effective_publication)
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        client.close()
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> float:
+    """Poll until ``check()``; returns the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if check():
+            return time.monotonic() - started
+        time.sleep(0.3)
+    raise AssertionError(f"not within {timeout_s}s: {what}")
+
+
+def verified(run: SitesRun, regions: list[str]) -> bool:
+    return verify(run.settings, regions).ok
+
+
+def add_events(run: SitesRun, users: dict[str, list[int]], count: int, seed: int) -> None:
+    rows = []
+    for i in range(count):
+        region = list(users)[i % len(users)]
+        user = users[region][(i // len(users)) % len(users[region])]
+        item = ITEMS[(i * 7 + seed) % len(ITEMS)]
+        rows.append((user, item, item % 5, f"{(item % 13) + 0.5:.2f}", region, KINDS[i % 4]))
+    with (
+        psycopg.connect(run.settings.database.dsn(), autocommit=True) as conn,
+        conn.cursor() as cur,
+    ):
+        cur.executemany(
+            f"INSERT INTO {run.schema}.events (user_id, item_id, category_id, price, "
+            "home_region, kind) VALUES (%s, %s, %s, %s, %s, %s)",
+            rows,
+        )
+
+
+def current_homes() -> dict[str, list[int]]:
+    homes = {region: list(ids) for region, ids in USERS.items()}
+    homes["eu-west"].remove(MOVER)
+    homes["us-east"].append(MOVER)
+    return homes
+
+
+async def every_record(bootstrap: list[str]) -> dict[str, list[bytes]]:
+    """Every record of every topic of a broker: key, value and header values together."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    found: dict[str, list[bytes]] = {}
+    try:
+        cluster = await consumer._client.fetch_all_metadata()
+        for topic in cluster.topics():
+            parts = [TopicPartition(topic, p) for p in cluster.partitions_for_topic(topic) or ()]
+            consumer.assign(parts)
+            await consumer.seek_to_beginning(*parts)
+            ends = await consumer.end_offsets(parts)
+            blobs = found.setdefault(topic, [])
+            pending = {tp for tp in parts if ends[tp] > 0}
+            while True:
+                # Past the end offsets too: Tansu reports a partition's end as the
+                # start of its last record batch.
+                batch = await consumer.getmany(timeout_ms=1000)
+                if not batch:
+                    if pending:
+                        raise AssertionError(f"{topic}: stopped short of its end offsets {ends}")
+                    break
+                for tp, records in batch.items():
+                    for record in records:
+                        headers = b"".join(value for _name, value in record.headers or ())
+                        blobs.append((record.key or b"") + b" " + (record.value or b"") + headers)
+                    if records and records[-1].offset + 1 >= ends[tp]:
+                        pending.discard(tp)
+    finally:
+        await consumer.stop()
+    return found
+
+
+def foreign_users(region: str) -> list[int]:
+    """Users never homed in ``region`` (the mover was homed in eu-west, then us-east)."""
+    allowed = set(USERS[region]) | ({MOVER} if region == "us-east" else set())
+    every = {user for ids in USERS.values() for user in ids} | {POISON_USER}
+    return sorted(every - allowed)
+
+
+def leaks(blobs: list[bytes], users: list[int]) -> set[int]:
+    pattern = re.compile(rb"(?<!\d)(" + b"|".join(str(u).encode() for u in users) + rb")(?!\d)")
+    return {int(match) for blob in blobs for match in pattern.findall(blob)}
+
+
+@pytest.fixture(scope="module")
+def seeded(sites_run: SitesRun) -> SitesRun:
+    """Items, users of every region and their events, a home-region move and a poison
+    event, all through the sites and verified."""
+    run = sites_run
+    run.sql(
+        "INSERT INTO {s}.items (item_id, category_id, price) SELECT i, i %% 5, 9.99 "
+        "FROM unnest(%s::bigint[]) AS i",
+        (ITEMS,),
+    )
+    for region, ids in USERS.items():
+        for user in ids:
+            run.sql(
+                "INSERT INTO {s}.users (user_id, home_region, country, email) "
+                "VALUES (%s, %s, 'XX', 'x@example.com')",
+                (user, region),
+            )
+    add_events(run, USERS, 60, seed=1)
+    # A home-region move, then events in the new home; and a poison event.
+    run.sql("UPDATE {s}.users SET home_region = 'us-east' WHERE user_id = %s", (MOVER,))
+    run.sql("UPDATE {s}.events SET home_region = 'us-east' WHERE user_id = %s", (MOVER,))
+    add_events(run, current_homes(), 30, seed=2)
+    run.sql(
+        "INSERT INTO {s}.events (user_id, item_id, category_id, price, home_region, kind) "
+        "VALUES (%s, %s, 1, 1.00, 'mars', 'view')",
+        (POISON_USER, ITEMS[0]),
+    )
+    wait_for(
+        "every region equals a recomputation", lambda: verified(run, run.settings.region_names)
+    )
+    return run
+
+
+def test_personal_rows_stay_on_their_home_sites_broker_and_redis(seeded: SitesRun) -> None:
+    run = seeded
+
+    for region in run.settings.region_names:
+        bootstrap = run.settings.sites.bootstrap_of(region)
+        assert bootstrap is not None
+        records = asyncio.run(asyncio.wait_for(every_record(bootstrap), 120))
+        topics = set(records)
+        assert run.settings.pipeline.region_topic(region) in topics
+        assert sum(len(blobs) for blobs in records.values()) > 0
+        others = [
+            run.settings.pipeline.region_topic(r) for r in run.settings.region_names if r != region
+        ]
+        assert not topics & set(others), f"{region}'s broker holds another region's topic"
+        foreign = foreign_users(region)
+        leaked = {
+            topic: found for topic, blobs in records.items() if (found := leaks(blobs, foreign))
+        }
+        assert not leaked, f"{region}'s broker holds other regions' users: {leaked}"
+        own = leaks([blob for blobs in records.values() for blob in blobs], USERS[region])
+        assert own, f"{region}'s broker holds none of its own users (the check would be blind)"
+        with redis.Redis.from_url(run.settings.region(region).redis_url) as client:
+            keys = list(client.scan_iter(count=1000))
+            values = [client.dump(key) or b"" for key in keys]
+        assert not leaks(keys + values, foreign), f"{region}'s Redis holds other regions' users"
+    # The poison event was dead-lettered by the router, on the central broker only.
+    central = asyncio.run(asyncio.wait_for(every_record(run.settings.kafka.bootstrap_servers), 120))
+    assert leaks(central.get(run.settings.pipeline.dead_letter_topic, []), [POISON_USER])
+
+
+def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal(
+    seeded: SitesRun,
+) -> None:
+    run = seeded
+    regions = run.settings.region_names
+    others = [r for r in regions if r != "eu-west"]
+    wait_for("the caches agree before the cut", lambda: verified(run, regions))
+    probe = USERS["eu-west"][0]
+    with redis.Redis.from_url(run.settings.region("eu-west").redis_url) as client:
+        cached_before = {key: client.dump(key) for key in client.scan_iter(count=1000)}
+    run.wan.cut("central-eu-west")
+    try:
+        add_events(run, current_homes(), 150, seed=3)
+        took = wait_for(
+            "us-east and ap-southeast while eu-west is cut", lambda: verified(run, others)
+        )
+        print(f"other regions caught up in {took:.1f} s with eu-west cut")
+        # Nothing crosses the cut link: eu-west serves what it had, and is behind.
+        report = verify(run.settings, ["eu-west"])
+        assert not report.ok
+        assert {m.entity_id for m in report.mismatches} & {str(u) for u in USERS["eu-west"]}
+        with redis.Redis.from_url(run.settings.region("eu-west").redis_url) as client:
+            assert client.exists(*cached_before) == len(cached_before)
+        assert any(str(probe).encode() in key for key in cached_before)
+    finally:
+        link = run.wan.heal("central-eu-west")
+    caught_up = wait_for("eu-west after the heal", lambda: verified(run, ["eu-west"]))
+    print(f"eu-west caught up {caught_up:.1f} s after the heal; link: {link}")
+    assert verify(run.settings, regions).ok  # no loss, no double count anywhere
