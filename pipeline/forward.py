@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.codec import has_zstd as has_cramjam  # zstd, lz4 and snappy all need cramjam
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
@@ -91,6 +91,8 @@ class ForwardSpec:
         fetch_max_wait_ms: How long a fetch from the central broker waits for data.
         request_timeout_ms: How long a produce across the link may take before it
             is retried (a cut link: this long, then again).
+        from_beginning: Forward the whole central topic again, from its first
+            record, whatever the group committed (rebuilding a lost site).
     """
 
     region: str
@@ -106,6 +108,7 @@ class ForwardSpec:
     fetch_max_wait_ms: int = 20
     request_timeout_ms: int = 10_000
     client_id: str = "edgefeed"
+    from_beginning: bool = False
 
 
 @dataclass(slots=True)
@@ -118,6 +121,22 @@ class ForwardStats:
     retries: int = 0
     last_delivered_at: float | None = None  # wall clock
     failing_since: float | None = None  # wall clock of the first failure of the current batch
+
+
+class _Rewind(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
+    """With ``from_beginning``, the first assignment starts at each partition's first record."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, rewind: bool) -> None:
+        self.consumer, self.rewind = consumer, rewind
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        return None
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        if self.rewind and assigned:
+            await self.consumer.seek_to_beginning(*assigned)
+            self.rewind = False
+            log.info("rewound to the first record of %s", sorted(tp.partition for tp in assigned))
 
 
 class Forwarder:
@@ -164,7 +183,6 @@ class Forwarder:
         """Forward until stopped. Retries every failure; never gives up on a batch."""
         spec = self.spec
         consumer = AIOKafkaConsumer(
-            spec.topic,
             bootstrap_servers=list(spec.source),
             group_id=spec.group,
             client_id=f"{spec.client_id}-forward-{spec.region}",
@@ -188,6 +206,7 @@ class Forwarder:
         route_through(producer.client, spec.address_map)
         await self.retrying(producer.start, "connect to the region's broker")
         await consumer.start()
+        consumer.subscribe([spec.topic], listener=_Rewind(consumer, spec.from_beginning))
         if ready is not None:
             ready.set()
         try:

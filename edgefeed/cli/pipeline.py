@@ -35,14 +35,25 @@ def run(
         int | None, typer.Option(help="Serve Prometheus metrics on this port.")
     ] = None,
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
+    from_beginning: Annotated[
+        bool,
+        typer.Option(
+            "--from-beginning",
+            help="Forwarder only: forward the region's whole central topic again "
+            "(rebuilding a lost site).",
+        ),
+    ] = False,
 ) -> None:
     """Start a worker: `--role router`, `--region NAME`, or `--role forwarder --region NAME`."""
     if role == "forwarder":
         if region is None:
             err_console.print("error: --role forwarder needs --region NAME")
             raise typer.Exit(EXIT_USAGE)
-        _run_forwarder(ctx, region, loglevel)
+        _run_forwarder(ctx, region, loglevel, from_beginning)
         return
+    if from_beginning:
+        err_console.print("error: --from-beginning is for --role forwarder only")
+        raise typer.Exit(EXIT_USAGE)
     if (role is None) == (region is None) or (role is not None and role != "router"):
         err_console.print(
             "error: give exactly one of --role router or --region NAME "
@@ -101,7 +112,7 @@ def run(
 FORWARDER_READY = "forwarder ready"
 
 
-def _run_forwarder(ctx: typer.Context, region: str, loglevel: str) -> None:
+def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginning: bool) -> None:
     import logging
     import signal
 
@@ -139,6 +150,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str) -> None:
             fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
             client_id=settings.kafka.client_id,
             request_timeout_ms=settings.sites.request_timeout_ms,
+            from_beginning=from_beginning,
         )
     )
     log = logging.getLogger("edgefeed.forward")
