@@ -84,6 +84,14 @@ def build_config(
     from monitoring import MonitorConfig, RegionTarget, SourceTarget
 
     secret = settings.database.secret()
+    if not groups and settings.sites.regions:
+        # With sites, a region with a broker of its own has its worker's group there;
+        # on the central broker, its forwarder's group is how far behind it is.
+        names = settings.pipeline.names
+        groups = [names.router_group] + [
+            names.forward_group(r) if r in settings.sites.regions else names.region_group(r)
+            for r in settings.region_names
+        ]
     return MonitorConfig(
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
         regions=tuple(RegionTarget(r.name, r.redis_url) for r in settings.regions),

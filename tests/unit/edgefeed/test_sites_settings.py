@@ -119,3 +119,16 @@ def test_the_sites_example_is_the_example_plus_its_sites() -> None:
     assert delays["central-us-east"] == 50
     assert delays["central-ap-southeast"] == 60
     assert delays["client-eu-west"] == 15
+
+
+def test_lag_watches_the_forwarders_of_regions_with_a_site() -> None:
+    from edgefeed.cli.monitoring import build_config
+
+    names = settings_from_mapping(BASE).pipeline.names
+    config = build_config(settings_from_mapping(with_sites(SITES)))
+    assert config.expected_groups == (
+        names.router_group,
+        names.forward_group("eu-west"),  # its worker's group is on its own broker
+        names.region_group("us-east"),  # shares the central broker
+    )
+    assert build_config(settings_from_mapping(BASE)).groups == ()  # single site: as before
