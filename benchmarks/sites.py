@@ -125,6 +125,8 @@ def run_phase(
             before = bench_pipeline.histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))
             result = load.run(rate, seconds)
             time.sleep(3.0)  # drain
+            if phase != "single":
+                link_quiet(wan)  # every change has crossed: the bytes are all counted
             after_link = {link["name"]: link for link in wan.status()}[LINK]
             quantiles = bench_pipeline.histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))
         finally:
@@ -147,6 +149,19 @@ def run_phase(
         "link_bytes_down_per_1000_changes": round(down * per_1000),
         "link_observed_delay_ms": after_link["observed_delay_ms"],
     }
+
+
+def link_quiet(wan: WanControl, quiet_s: float = 3.0, limit_s: float = 180.0) -> None:
+    """Wait until nothing has crossed the link for ``quiet_s`` (the forwarder caught up)."""
+    deadline = time.monotonic() + limit_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = {link["name"]: link for link in wan.status()}[LINK]["bytes_up"]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.5)
 
 
 def drop_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> None:

@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
 _PROVIDERS = "org.apache.kafka.common.config.provider"
 
 
@@ -430,6 +431,11 @@ class WanService(Service):
         return self.home / "links.json"
 
     def prepare(self) -> None:
+        if len(os.fsencode(self.control)) > _UNIX_PATH_MAX:
+            raise DevStackError(
+                f"the WAN emulator's control socket {self.control} is longer than a Unix "
+                f"socket path may be ({_UNIX_PATH_MAX} bytes); choose a shorter --state-dir"
+            )
         self.home.mkdir(parents=True, exist_ok=True)
         self.control.parent.mkdir(parents=True, exist_ok=True)
         # Written at every start: the settings are the links' starting point

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from edgefeed.devstack import DevStack, PortInUseError
+from edgefeed.devstack import DevStack, DevStackError, PortInUseError
 from edgefeed.settings import SettingsError, load_settings, settings_from_mapping
 
 BASE: dict[str, Any] = {
@@ -132,3 +132,10 @@ def test_lag_watches_the_forwarders_of_regions_with_a_site() -> None:
         names.region_group("us-east"),  # shares the central broker
     )
     assert build_config(settings_from_mapping(BASE)).groups == ()  # single site: as before
+
+
+def test_a_state_folder_too_deep_for_the_control_socket_is_a_clear_error(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    stack = DevStack(settings_from_mapping(with_sites(SITES)), deep, with_connect=False)
+    with pytest.raises(DevStackError, match="shorter --state-dir"):
+        stack.service("wan").prepare()
