@@ -137,6 +137,9 @@ class RegionReport:
             region: the source is quiet), STALE (over budget with messages
             pending), NODATA (no freshness record yet), DOWN (Redis unreachable).
         pending: Messages waiting for this region (router lag + its group's lag).
+        quarantined: Entities the pipeline cannot write (their vectors stay stale until
+            the cause is fixed); any makes the region WARN.
+        quarantine_sample: A few of them: (``<entity>:<id>``, why).
     """
 
     region: str
@@ -146,6 +149,8 @@ class RegionReport:
     pending: int | None
     entities: tuple[EntityFreshness, ...]
     error: str | None = None
+    quarantined: int = 0
+    quarantine_sample: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -336,8 +336,9 @@ class Monitor:
         pending = self._pending(kafka, target.name)
         if (error := _unavailable(result)) is not None:
             return RegionReport(target.name, "DOWN", "ERR", None, pending, (), error=error)
+        times = cast(RegionTimes, result)
         entities = []
-        for e in cast(RegionTimes, result).entities:
+        for e in times.entities:
             sample = [now - us / 1e6 for us in e.sample_commit_us]
             entities.append(
                 EntityFreshness(
@@ -367,6 +368,8 @@ class Monitor:
             state, severity = "STALE", "ERR"
         else:
             state, severity = "IDLE", "OK"
+        if times.quarantined and severity == "OK":
+            severity = "WARN"  # some entities' vectors are stuck; the rest flow
         return RegionReport(
             target.name,
             state,
@@ -374,6 +377,8 @@ class Monitor:
             freshness,
             pending,
             tuple(entities),
+            quarantined=times.quarantined,
+            quarantine_sample=times.quarantine_sample,
         )
 
     # -- CDC ----------------------------------------------------------------------------
@@ -487,9 +492,16 @@ class Monitor:
                 where = f" {bad.topic}[{bad.partition}]: {bad.reason}" if bad else ""
                 problems.append(f"group {g.group} {g.status}{where}")
         for r in regions:
-            if r.severity != "OK":
+            if r.severity != "OK" and r.state != "OK":
                 problems.append(
                     f"region {r.region} {r.state}" + (f": {r.error}" if r.error else "")
+                )
+            if r.quarantined:
+                first = r.quarantine_sample[0] if r.quarantine_sample else None
+                problems.append(
+                    f"region {r.region}: {r.quarantined} entit"
+                    f"{'y' if r.quarantined == 1 else 'ies'} quarantined (vectors not written)"
+                    + (f", e.g. {first[0]}: {first[1]}" if first else "")
                 )
         for s in slots:
             if s.severity != "OK":

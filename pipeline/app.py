@@ -222,6 +222,13 @@ class _FaustCache:
         except _UNAVAILABLE as exc:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
 
+    async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
+        try:
+            cache = await self.writer()
+            await cache.mark_quarantined(quarantined, released)
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
+
     async def intact(self) -> bool:
         """Whether the cache still holds what this worker wrote.
 
