@@ -231,7 +231,7 @@ def throughput(
             {
                 topic: settings.pipeline.partitions,
                 plain_topic: settings.pipeline.partitions,
-                settings.pipeline.dead_letter_topic: 1,
+                **dict.fromkeys(settings.pipeline.names.dead_letter_topics(["eu-west"]), 1),
             },
         )
         producer = AIOKafkaProducer(

@@ -232,10 +232,13 @@ class ReportCollector(Collector):
         if kafka.deadletters is not None:
             dead = CounterMetricFamily(
                 "edgefeed_deadletter_messages",
-                "Messages ever written to the dead-letter topic.",
+                "Messages ever written to a dead-letter topic (central, or a region's).",
                 labels=["topic"],
             )
-            dead.add_metric([kafka.deadletter_topic], kafka.deadletters)
+            for name, count in kafka.deadletters_by_topic or (
+                (kafka.deadletter_topic, kafka.deadletters),
+            ):
+                dead.add_metric([name], count)
             yield dead
 
     def _regions(self, report: Report) -> Iterator[Metric]:

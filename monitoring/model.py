@@ -102,6 +102,8 @@ class KafkaReport:
     deadletters: int | None
     deadletters_new: int | None
     error: str | None = None
+    # Per dead-letter topic (the central one and each region's): messages ever written.
+    deadletters_by_topic: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

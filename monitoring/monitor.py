@@ -306,8 +306,11 @@ class Monitor:
             )
         self.history.forget_except(seen_keys)
 
-        dead = topics.get(topic)
-        deadletters = sum(dead[1].values()) if dead else None
+        dead_topics = self.config.names.dead_letter_topics(r.name for r in self.config.regions)
+        by_topic = tuple(
+            (name, sum(topics[name][1].values())) for name in dead_topics if name in topics
+        )
+        deadletters = sum(count for _name, count in by_topic) if by_topic else None
         new = None
         if deadletters is not None:
             self._deadletters.add(snap.at, deadletters)
@@ -319,6 +322,7 @@ class Monitor:
             deadletter_topic=topic,
             deadletters=deadletters,
             deadletters_new=new,
+            deadletters_by_topic=by_topic,
         )
 
     def _rate(self, store: dict[Any, Series], key: Any, at: float, total: int) -> float | None:
@@ -514,6 +518,11 @@ class Monitor:
         if kafka.deadletters_new:
             problems.append(
                 f"{kafka.deadletters_new} new dead letter(s) on {kafka.deadletter_topic}"
+                + (
+                    " and the regions' dead-letter topics"
+                    if len(kafka.deadletters_by_topic) > 1
+                    else ""
+                )
             )
         return tuple(problems)
 

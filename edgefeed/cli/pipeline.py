@@ -46,7 +46,8 @@ def run(
         settings.pipeline.region_topic(r): settings.pipeline.partitions
         for r in settings.region_names
     }
-    topics[settings.pipeline.dead_letter_topic] = 1
+    for dead_letters in settings.pipeline.names.dead_letter_topics(settings.region_names):
+        topics[dead_letters] = 1
     if role == "router":
         for source in settings.sources:
             for table in source.tables:
