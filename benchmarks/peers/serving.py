@@ -1,0 +1,744 @@
+# ruff: noqa: E402  (sys.path is fixed before the project imports; see below)
+"""Model workers vs LitServe and Triton (docs/benchmarks.md, "Model workers vs
+LitServe and Triton"; issue 18 part 2).
+
+    make bench-peers-serving                      # creates the peer venvs, then the full run
+    .venv/bin/python benchmarks/peers/serving.py --smoke --servers edgefeed   # what CI runs
+
+The same two models, the project's demo classifier and ranker with their
+shipped weights, exported once to TorchScript, are served by
+
+* edgefeed: ``edgefeed workers serve --model-file ...`` (the public CLI);
+* LitServe (``.venv-litserve``), batching on (``max_batch_size``, ``batch_timeout``);
+* Triton through PyTriton (``.venv-pytriton``), Triton's dynamic batcher;
+
+each on the CPU with one torch thread, a batch of up to ``--max-rows`` rows and
+a ``--delay-ms`` batching window. Before anything is timed, every server's
+answers to the same probe requests are checked against the eager PyTorch
+module (same scores within float tolerance). Then one closed-loop client
+(loadgen.py) drives each server at each concurrency for the same duration
+after the same warm-up. All servers of a model run at once but only the one
+being measured is scheduled: the others are stopped with SIGSTOP (their whole
+process tree), so an idle peer's polling cannot tax the one under load; the
+measured rounds rotate through the servers so that a neighbour's load on this
+shared machine falls on every side.
+
+The ranker's feature lookup (edge cache, Redis) is not part of this
+comparison: the peers have no edge cache, so every server gets the user's and
+the items' feature vectors in the request (one ``(items, 32)`` float32 array,
+user features then item features), and the ranker is served as a tensor
+model. T_data of the lookup is measured by benchmarks/lookup.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this folder comes first on sys.path; the project root must
+# be importable (the models are the project's).
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+import torch
+from loadgen import Request, Window, closed_loop, merge, summarize
+
+from workers.inputs import NPY_TYPE, encode_npy
+from workers.models.loading import WEIGHTS_DIR, load_checkpoint
+from workers.models.ranking import RankerConfig, RankingNet
+from workers.synthetic import click_world, shape_images
+from workers.timing import HEADER_BATCH_ROWS, HEADER_T_MODEL, HEADER_T_SERVICE
+
+HERE = Path(__file__).resolve().parent
+RESULTS = _ROOT / "benchmarks" / "results"
+SERVERS = ("edgefeed", "litserve", "triton")
+VENVS = {"litserve": HERE / ".venv-litserve", "triton": HERE / ".venv-pytriton"}
+RANKER_ITEMS = 8
+"""Candidate items per ranking request (rows per request)."""
+
+
+class PeerSetupError(RuntimeError):
+    """A server did not start, or answered differently from the reference model."""
+
+
+# -- the models -----------------------------------------------------------
+
+
+class _RankerRows(torch.nn.Module):
+    """The ranker over one ``(n, user + item features)`` array: a tensor model for every server."""
+
+    def __init__(self, net: RankingNet, user_dims: int) -> None:
+        super().__init__()
+        self.net = net
+        self.user_dims = user_dims
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.net(rows[:, : self.user_dims], rows[:, self.user_dims :])
+
+
+@dataclass(slots=True)
+class ModelCase:
+    """One model as every server serves it, its probe and load requests' arrays."""
+
+    name: str
+    kind: str  # "classifier" or "tensor" (edgefeed's --kind)
+    file: Path
+    row_shape: tuple[int, ...]
+    dtype: str
+    out_shape: tuple[int, ...]
+    reference: Callable[[np.ndarray], np.ndarray]
+    arrays: list[np.ndarray] = field(default_factory=list)
+
+
+def export_models(folder: Path) -> dict[str, ModelCase]:
+    """TorchScript of the shipped demo weights, traced once; every server loads these files."""
+    from workers.models.loading import _build
+
+    cases: dict[str, ModelCase] = {}
+    path = WEIGHTS_DIR / "image_classifier.pt"
+    classifier, config = _build(load_checkpoint(path, "image-classifier"), path)
+    size = config.image_size
+    example = torch.zeros((4, size, size, 3), dtype=torch.uint8)
+    traced = torch.jit.trace(classifier, example)  # type: ignore[no-untyped-call]
+    traced.save(str(folder / "classifier.ts"))
+    images, _ = shape_images(256, size, seed=11)
+    cases["classifier"] = ModelCase(
+        "classifier",
+        "classifier",
+        folder / "classifier.ts",
+        (size, size, 3),
+        "uint8",
+        (config.num_classes,),
+        lambda x: _eager(classifier, x),
+        [images[i : i + 1] for i in range(len(images))],
+    )
+
+    path = WEIGHTS_DIR / "ranker.pt"
+    ranker, rconfig = _build(load_checkpoint(path, "ranker"), path)
+    assert isinstance(rconfig, RankerConfig) and isinstance(ranker, RankingNet)
+    user_dims = len(rconfig.user_features)
+    rows = _RankerRows(ranker, user_dims).eval()
+    width = user_dims + len(rconfig.item_features)
+    traced = torch.jit.trace(rows, torch.zeros((4, width)))  # type: ignore[no-untyped-call]
+    traced.save(str(folder / "ranker.ts"))
+    world = click_world()
+    rng = np.random.default_rng(12)
+    arrays = []
+    for _ in range(256):
+        user = world.user_features[rng.integers(len(world.user_features))]
+        items = world.item_features[rng.choice(len(world.item_features), RANKER_ITEMS, False)]
+        user_rows = np.broadcast_to(user, (RANKER_ITEMS, user.shape[0]))
+        arrays.append(np.ascontiguousarray(np.hstack([user_rows, items]), dtype=np.float32))
+    cases["ranker"] = ModelCase(
+        "ranker",
+        "tensor",
+        folder / "ranker.ts",
+        (width,),
+        "float32",
+        (1,),
+        lambda x: _eager(rows, x),
+        arrays,
+    )
+    return cases
+
+
+def _eager(module: torch.nn.Module, array: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        out: np.ndarray = module(torch.from_numpy(array)).numpy()
+    return out
+
+
+# -- the servers: how each is started, asked and answered ------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass(slots=True)
+class Server:
+    """One server process tree serving one model."""
+
+    kind: str
+    case: ModelCase
+    command: list[str]
+    ready_path: str
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(self, array: np.ndarray) -> Request:
+        """``array`` in this server's wire format (the same .npy bytes, or raw bytes)."""
+        name = self.case.name
+        if self.kind == "edgefeed":
+            return Request(
+                f"/v1/models/{name}/infer", encode_npy(array), {"Content-Type": NPY_TYPE}
+            )
+        if self.kind == "litserve":
+            body = json.dumps({"npy": base64.b64encode(encode_npy(array)).decode()}).encode()
+            return Request("/predict", body, {"Content-Type": "application/json"})
+        # KServe v2 with Triton's binary tensor extension: a JSON header, then the raw bytes.
+        header = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "inputs",
+                        "shape": list(array.shape),
+                        "datatype": {"uint8": "UINT8", "float32": "FP32"}[array.dtype.name],
+                        "parameters": {"binary_data_size": array.nbytes},
+                    }
+                ],
+                "outputs": [{"name": "outputs", "parameters": {"binary_data": False}}],
+            }
+        ).encode()
+        return Request(
+            f"/v2/models/{name}/infer",
+            header + array.tobytes(),
+            {
+                "Content-Type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(len(header)),
+            },
+        )
+
+    def outputs(self, body: bytes) -> np.ndarray:
+        """The model's output rows from one answer."""
+        answer = json.loads(body)
+        if self.kind == "triton":
+            out = answer["outputs"][0]
+            return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+        if self.case.kind == "classifier":
+            return np.asarray([p["logits"] for p in answer["predictions"]], dtype=np.float32)
+        return np.asarray(answer["outputs"], dtype=np.float32)
+
+    def start(self, folder: Path) -> None:
+        self.log = folder / f"{self.kind}-{self.case.name}.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                cwd=HERE,
+                start_new_session=True,  # one process group to signal, apart from ours
+            )
+
+    def tree(self) -> list[int]:
+        """Pids of the server and all its descendants (from /proc)."""
+        if self.process is None:
+            return []
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+        pids, todo = [], [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            todo += children.get(pid, [])
+        return pids
+
+    def signal_tree(self, sig: int) -> None:
+        for pid in self.tree():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        pids = self.tree()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
+        for pid in pids:  # stragglers (workers whose parent went first)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        self.process = None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+def make_server(kind: str, case: ModelCase, args: argparse.Namespace) -> Server:
+    port = free_port()
+    rows_per_request = 1 if case.name == "classifier" else RANKER_ITEMS
+    if kind == "edgefeed":
+        command = [
+            str(Path(sys.executable).parent / "edgefeed"),
+            "workers",
+            "serve",
+            "--model",
+            case.name,
+            "--region",
+            "bench",
+            "--model-file",
+            str(case.file),
+            "--kind",
+            case.kind,
+            "--input-shape",
+            ",".join(map(str, case.row_shape)),
+            "--input-dtype",
+            case.dtype,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--max-batch-size",
+            str(args.max_rows),
+            "--max-queue-delay-ms",
+            str(args.delay_ms),
+            "--max-queue-size",
+            "1024",
+        ]
+        env = {"EDGEFEED_WORKERS_CPU_THREADS": str(args.threads), "EDGEFEED_WORKERS_COMPILE": "off"}
+        config = {
+            "max_batch_size_rows": args.max_rows,
+            "max_queue_delay_ms": args.delay_ms,
+            "max_queue_size": 1024,
+            "cpu_threads": args.threads,
+            "precision": "fp32",
+            "compile": "off",
+            "wire": "application/x-npy",
+        }
+        return Server(kind, case, command, "/readyz", port, env, config)
+    python = str(VENVS[kind] / "bin" / "python")
+    if kind == "litserve":
+        max_requests = max(1, args.max_rows // rows_per_request)
+        command = [
+            python,
+            str(HERE / "litserve_server.py"),
+            "--model-file",
+            str(case.file),
+            "--kind",
+            case.kind,
+            "--port",
+            str(port),
+            "--max-batch-size",
+            str(max_requests),
+            "--delay-ms",
+            str(args.delay_ms),
+            "--threads",
+            str(args.threads),
+        ]
+        config = {
+            "max_batch_size_requests": max_requests,
+            "rows_per_request": rows_per_request,
+            "batch_timeout_s": args.delay_ms / 1e3,
+            "accelerator": "cpu",
+            "workers_per_device": 1,
+            "cpu_threads": args.threads,
+            "wire": 'application/json {"npy": base64 of the .npy bytes}',
+        }
+        return Server(kind, case, command, "/health", port, {}, config)
+    command = [
+        python,
+        str(HERE / "pytriton_server.py"),
+        "--model-file",
+        str(case.file),
+        "--name",
+        case.name,
+        "--input-shape",
+        ",".join(map(str, case.row_shape)),
+        "--input-dtype",
+        case.dtype,
+        "--output-shape",
+        ",".join(map(str, case.out_shape)),
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--metrics-port",
+        str(free_port()),
+        "--max-batch-size",
+        str(args.max_rows),
+        "--delay-ms",
+        str(args.delay_ms),
+        "--threads",
+        str(args.threads),
+    ]
+    config = {
+        "max_batch_size_rows": args.max_rows,
+        "max_queue_delay_microseconds": int(args.delay_ms * 1000),
+        "instances": 1,
+        "backend": "PyTriton (Triton Python backend + proxy process)",
+        "cpu_threads": args.threads,
+        "wire": "KServe v2 JSON header + binary tensor extension; JSON outputs",
+    }
+    return Server(kind, case, command, f"/v2/models/{case.name}/ready", port, {}, config)
+
+
+async def wait_ready(session: aiohttp.ClientSession, server: Server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process is not None and server.process.poll() is not None:
+            raise PeerSetupError(
+                f"{server.kind} ({server.case.name}) exited with {server.process.returncode} "
+                f"before it was ready; its log ends:\n{server.log_tail()}"
+            )
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(server.url + server.ready_path) as response:
+                if response.status == 200:
+                    return
+        await asyncio.sleep(0.5)
+    raise PeerSetupError(
+        f"{server.kind} ({server.case.name}) not ready within {timeout_s:g} s; "
+        f"its log ends:\n{server.log_tail()}"
+    )
+
+
+async def check_agreement(
+    session: aiohttp.ClientSession, server: Server, probes: int, atol: float
+) -> float:
+    """Largest |server - eager reference| over ``probes`` requests; raises past ``atol``."""
+    worst = 0.0
+    for array in server.case.arrays[:probes]:
+        request = server.request(array)
+        async with session.post(
+            server.url + request.path, data=request.body, headers=request.headers
+        ) as response:
+            body = await response.read()
+            if response.status != 200:
+                raise PeerSetupError(
+                    f"{server.kind} ({server.case.name}) answered {response.status}: {body[:300]!r}"
+                )
+        got = server.outputs(body).reshape(-1)
+        want = server.case.reference(array).reshape(-1)
+        if got.shape != want.shape:
+            raise PeerSetupError(
+                f"{server.kind} ({server.case.name}) answered {got.shape[0]} values, "
+                f"the reference {want.shape[0]}"
+            )
+        worst = max(worst, float(np.max(np.abs(got - want))))
+    if worst > atol:
+        raise PeerSetupError(
+            f"{server.kind} ({server.case.name}) disagrees with the reference model by "
+            f"{worst:.3g} (> {atol:g}); the comparison would not be of the same model"
+        )
+    return worst
+
+
+# -- the run ----------------------------------------------------------------
+
+
+def _edgefeed_terms(windows: list[Window]) -> dict[str, float]:
+    """Mean T_model, T_service and batch rows from edgefeed's answer headers."""
+    headers = [h for w in windows for h in w.headers]
+    if not headers:
+        return {}
+
+    def mean(key: str) -> float:
+        return round(float(np.mean([float(h[key]) for h in headers if key in h])), 3)
+
+    return {
+        "t_model_ms_mean": mean(HEADER_T_MODEL),
+        "t_service_ms_mean": mean(HEADER_T_SERVICE),
+        "batch_rows_mean": mean(HEADER_BATCH_ROWS),
+    }
+
+
+async def _triton_stats(session: aiohttp.ClientSession, server: Server) -> dict[str, Any]:
+    async with session.get(f"{server.url}/v2/models/{server.case.name}/stats") as response:
+        stats: dict[str, Any] = (await response.json())["model_stats"][0]
+        return stats
+
+
+def _triton_terms(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Mean queue and compute time per request, and rows per execution, between two snapshots."""
+    out: dict[str, float] = {}
+    b, a = before["inference_stats"], after["inference_stats"]
+    count = a["success"]["count"] - b["success"]["count"]
+    if count <= 0:
+        return out
+    for key in ("queue", "compute_input", "compute_infer", "compute_output"):
+        out[f"{key}_ms_mean"] = round((a[key]["ns"] - b[key]["ns"]) / count / 1e6, 3)
+    executions = after["execution_count"] - before["execution_count"]
+    rows = after["inference_count"] - before["inference_count"]
+    if executions > 0:
+        out["batch_rows_mean"] = round(rows / executions, 2)
+    return out
+
+
+async def measure(
+    session: aiohttp.ClientSession,
+    servers: list[Server],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Every concurrency, rounds rotating through the servers; only the measured one runs."""
+    results: dict[str, Any] = {}
+    for server in servers:
+        server.signal_tree(signal.SIGSTOP)
+    try:
+        for concurrency in args.concurrency:
+            windows: dict[str, list[Window]] = {s.kind: [] for s in servers}
+            terms: dict[str, list[dict[str, float]]] = {s.kind: [] for s in servers}
+            for round_ in range(args.rounds):
+                order = servers[round_ % len(servers) :] + servers[: round_ % len(servers)]
+                for server in order:
+                    server.signal_tree(signal.SIGCONT)
+                    requests = [server.request(a) for a in server.case.arrays]
+                    try:
+                        await closed_loop(
+                            session,
+                            server.url,
+                            requests,
+                            concurrency=concurrency,
+                            duration_s=args.warmup_s,
+                        )
+                        before = (
+                            await _triton_stats(session, server)
+                            if server.kind == "triton"
+                            else None
+                        )
+                        window = await closed_loop(
+                            session,
+                            server.url,
+                            requests,
+                            concurrency=concurrency,
+                            duration_s=args.duration_s,
+                            keep_headers=(
+                                (
+                                    lambda k: (
+                                        k.lower().startswith("x-edgefeed-t-")
+                                        or k.lower() == HEADER_BATCH_ROWS.lower()
+                                    )
+                                )
+                                if server.kind == "edgefeed"
+                                else None
+                            ),
+                        )
+                        if before is not None:
+                            terms[server.kind].append(
+                                _triton_terms(before, await _triton_stats(session, server))
+                            )
+                    finally:
+                        server.signal_tree(signal.SIGSTOP)
+                    windows[server.kind].append(window)
+            cell: dict[str, Any] = {}
+            for server in servers:
+                summary = summarize(merge(windows[server.kind]))
+                if server.kind == "edgefeed":
+                    summary["server_terms"] = _edgefeed_terms(windows[server.kind])
+                elif terms[server.kind]:
+                    summary["server_terms"] = {
+                        k: round(float(np.mean([t[k] for t in terms[server.kind] if k in t])), 3)
+                        for k in terms[server.kind][0]
+                    }
+                cell[server.kind] = summary
+                p = summary["t_total_ms"]
+                assert isinstance(p, dict)
+                print(
+                    f"  {server.case.name:10s} c={concurrency:<3d} {server.kind:9s}"
+                    f"{summary['throughput_rps']:9.1f} req/s  p50 {p['p50']:8.2f}  p95 "
+                    f"{p['p95']:8.2f}  p99 {p['p99']:8.2f} ms  errors {summary['errors']}",
+                    flush=True,
+                )
+            results[str(concurrency)] = cell
+    finally:
+        for server in servers:
+            server.signal_tree(signal.SIGCONT)
+    return results
+
+
+def verdict(results: dict[str, Any]) -> dict[str, Any]:
+    """Per model, concurrency, peer: edgefeed's throughput >= the peer's at a p95 <= theirs."""
+    out: dict[str, Any] = {}
+    met_all = True
+    for model, by_concurrency in results.items():
+        for concurrency, cell in by_concurrency.items():
+            ours = cell.get("edgefeed")
+            if ours is None:
+                continue
+            for peer, theirs in cell.items():
+                if peer == "edgefeed":
+                    continue
+                tp = (
+                    ours["throughput_rps"] / theirs["throughput_rps"]
+                    if theirs["throughput_rps"]
+                    else float("inf")
+                )
+                p95 = ours["t_total_ms"]["p95"] / theirs["t_total_ms"]["p95"]
+                met = tp >= 1.0 and p95 <= 1.0 and not ours["errors"]
+                met_all &= met
+                out[f"{model} c={concurrency} vs {peer}"] = {
+                    "throughput_ratio": round(tp, 3),
+                    "p95_ratio": round(p95, 3),
+                    "met": met,
+                }
+    return {"cells": out, "all_met": met_all and bool(out)}
+
+
+def _peer_versions(kind: str) -> dict[str, str]:
+    freeze = VENVS[kind] / "freeze.txt"
+    if not freeze.exists():
+        return {}
+    wanted = {
+        "litserve": ("litserve", "torch", "fastapi", "uvicorn", "uvloop", "numpy"),
+        "triton": ("nvidia-pytriton", "tritonclient", "torch", "numpy"),
+    }[kind]
+    versions = {}
+    for line in freeze.read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.lower() in wanted:
+            versions[name.lower()] = version
+    return versions
+
+
+async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    cases = export_models(folder)
+    report: dict[str, Any] = {"versions": {}, "configs": {}, "agreement_max_abs_diff": {}}
+    import aiohttp as _aiohttp
+
+    import edgefeed
+
+    report["versions"]["edgefeed"] = {
+        "edgefeed": edgefeed.__version__,
+        "torch": torch.__version__,
+        "aiohttp": _aiohttp.__version__,
+        "numpy": np.__version__,
+    }
+    for kind in args.servers:
+        if kind != "edgefeed":
+            report["versions"][kind] = _peer_versions(kind)
+    results: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        for model in args.models:
+            case = cases[model]
+            servers = [make_server(kind, case, args) for kind in args.servers]
+            try:
+                for server in servers:
+                    server.start(folder)
+                for server in servers:
+                    await wait_ready(session, server, args.start_timeout_s)
+                    report["configs"].setdefault(server.kind, {})[model] = server.config
+                    diff = await check_agreement(session, server, args.probes, args.atol)
+                    report["agreement_max_abs_diff"].setdefault(model, {})[server.kind] = diff
+                    if server.kind == "triton":
+                        async with session.get(f"{server.url}/v2") as response:
+                            meta = await response.json()
+                        report["versions"]["triton"]["tritonserver"] = meta.get("version", "?")
+                print(
+                    f"{model}: outputs agree with the eager model "
+                    f"(max |diff| {report['agreement_max_abs_diff'][model]})",
+                    flush=True,
+                )
+                results[model] = await measure(session, servers, args)
+            finally:
+                for server in servers:
+                    server.stop()
+    report["results"] = results
+    report["verdict"] = verdict(results)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="model workers vs LitServe and Triton")
+    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    parser.add_argument("--models", nargs="+", default=["classifier", "ranker"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--duration-s", type=float, default=5.0, help="measured seconds per window")
+    parser.add_argument(
+        "--warmup-s", type=float, default=1.5, help="unmeasured seconds before each"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="windows per server per cell")
+    parser.add_argument("--max-rows", type=int, default=64, help="rows per forward pass")
+    parser.add_argument("--delay-ms", type=float, default=2.0, help="batching window")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    parser.add_argument("--probes", type=int, default=32, help="agreement-check requests")
+    parser.add_argument("--atol", type=float, default=1e-4)
+    parser.add_argument("--start-timeout-s", type=float, default=180.0)
+    parser.add_argument("--smoke", action="store_true", help="tiny run (seconds)")
+    parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.duration_s, args.warmup_s, args.rounds = [1, 4], 0.5, 0.2, 1
+        args.probes = 4
+    missing = [
+        k for k in args.servers if k != "edgefeed" and not (VENVS[k] / "bin" / "python").exists()
+    ]
+    if missing:
+        sys.exit(
+            f"no venv for {', '.join(missing)}: run `make bench-peers-serving` (or "
+            "bash benchmarks/peers/setup.sh) first"
+        )
+    started = time.perf_counter()
+    header = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        },
+        "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows_per_request": {"classifier": 1, "ranker": RANKER_ITEMS},
+    }
+    with tempfile.TemporaryDirectory(prefix="edgefeed-peers-serving-") as tmp:
+        try:
+            report = {**header, **asyncio.run(run(args, Path(tmp)))}
+        except PeerSetupError as exc:
+            sys.exit(f"setup failed: {exc}")
+    report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    for name, cell in report["verdict"]["cells"].items():
+        print(
+            f"  {name}: throughput x{cell['throughput_ratio']}, p95 x{cell['p95_ratio']} "
+            f"-> {'met' if cell['met'] else 'MISSED'}"
+        )
+    stamp = time.strftime("%Y%m%dT%H%M%S") + ("-smoke" if args.smoke else "")
+    path = args.out or RESULTS / f"peers-serving-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"done in {report['elapsed_s']} s; full report: {path}")
+    if args.strict and not args.smoke and not report["verdict"]["all_met"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
