@@ -610,6 +610,36 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
     return {"cells": out, "all_met": met_all and bool(out)}
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables as docs/benchmarks.md quotes them."""
+    lines = []
+    for model, by_concurrency in report["results"].items():
+        lines += [
+            f"**{model}** ({report['rows_per_request'][model]} row(s) per request):",
+            "",
+            "| concurrency | server | throughput (req/s) | T_total p50 | p95 | p99 (ms) "
+            "| server-side terms (means, ms) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for concurrency, cell in by_concurrency.items():
+            for kind, run in cell.items():
+                p = run["t_total_ms"]
+                terms = ", ".join(f"{k} {v}" for k, v in run.get("server_terms", {}).items())
+                errors = f" errors {run['errors']}" if run["errors"] else ""
+                lines.append(
+                    f"| {concurrency} | {kind} | {run['throughput_rps']:.1f}{errors} "
+                    f"| {p['p50']:.2f} | {p['p95']:.2f} | {p['p99']:.2f} | {terms or '-'} |"
+                )
+        lines.append("")
+    lines += ["| cell | throughput ratio | p95 ratio | target |", "|---|---|---|---|"]
+    for name, cell in report["verdict"]["cells"].items():
+        target = "met" if cell["met"] else "**missed**"
+        lines.append(
+            f"| {name} | {cell['throughput_ratio']:.2f}x | {cell['p95_ratio']:.2f}x | {target} |"
+        )
+    return "\n".join(lines)
+
+
 def _peer_versions(kind: str) -> dict[str, str]:
     freeze = VENVS[kind] / "freeze.txt"
     if not freeze.exists():
@@ -695,7 +725,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds)")
     parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument(
+        "--render", type=Path, default=None, help="print a saved report's tables (markdown)"
+    )
     args = parser.parse_args()
+    if args.render is not None:
+        print(markdown(json.loads(args.render.read_text())))
+        return
     if args.smoke:
         args.concurrency, args.duration_s, args.warmup_s, args.rounds = [1, 4], 0.5, 0.2, 1
         args.probes = 4
