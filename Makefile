@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.edgefeed-installed
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-unit lint bench faults faults-short up down clean
+.PHONY: help install demo test test-unit lint bench bench-peers-serving faults faults-short up down clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -35,6 +35,10 @@ lint: $(STAMP) ## ruff and mypy on the packages
 
 bench: $(STAMP) ## Run every benchmark (see docs/benchmarks.md)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+bench-peers-serving: $(STAMP) ## Model workers vs LitServe and Triton (makes their venvs when missing)
+	bash benchmarks/peers/setup.sh litserve pytriton
+	$(BIN)/python benchmarks/peers/serving.py $(BENCH_ARGS)
 
 faults: $(STAMP) ## Run the fault suite on its own local stack (see docs/operations.md)
 	$(BIN)/python scripts/fault_suite.py

@@ -50,6 +50,7 @@ from aiokafka.partitioner import DefaultPartitioner  # noqa: E402
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.devstack.process import read_pid  # noqa: E402
 from edgefeed.pipeline_config import pipeline_config  # noqa: E402
 from edgefeed.settings import EdgefeedSettings, load_settings, settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
@@ -230,7 +231,7 @@ def throughput(
             {
                 topic: settings.pipeline.partitions,
                 plain_topic: settings.pipeline.partitions,
-                settings.pipeline.dead_letter_topic: 1,
+                **dict.fromkeys(settings.pipeline.names.dead_letter_topics(["eu-west"]), 1),
             },
         )
         producer = AIOKafkaProducer(
@@ -268,7 +269,9 @@ def throughput(
                 "warning",
             ]
         log = open(state / f"{variant}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # cwd: Faust creates its data folder in the working directory; keep it in
+        # the benchmark's state folder, which is removed at the end.
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=state)
         try:
             total = len(singles)  # changes, in either form
             deadline = time.monotonic() + 600
@@ -410,6 +413,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def cpu_seconds(stack: DevStack, app: str) -> float:
+    """User + system CPU seconds an app of ``stack`` has used so far (Linux /proc)."""
+    record = read_pid(stack.pid_path(f"app-{app}"))
+    if record is None:
+        return float("nan")
+    fields = Path(f"/proc/{record.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def freshness(
     settings: EdgefeedSettings, settings_file: Path, stack: DevStack, rate: float, seconds: float
 ) -> dict[str, Any]:
@@ -437,8 +449,10 @@ def freshness(
     routed.start()
     time.sleep(1.0)
     before = histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))["count"]
+    cpu_before = {app: cpu_seconds(stack, app) for app in ("router", "eu-west")}
     result = load.run(rate, seconds)
     time.sleep(3.0)  # drain
+    cpu = {app: cpu_seconds(stack, app) - cpu_before[app] for app in cpu_before}
     for thread in (side, routed):
         thread.stop_event.set()
         thread.join(timeout=10)
@@ -462,6 +476,10 @@ def freshness(
         "worker_flush_p50_ms": round(flushes["p50_ms"], 1),
         "worker_flush_p99_ms": round(flushes["p99_ms"], 1),
         "worker_mean_batch": round(changes / batches, 1) if batches else 0.0,
+        # CPU per 1,000 changes written: a cost the machine's noise barely moves,
+        # unlike the latencies above.
+        "router_cpu_ms_per_1000": round(1e6 * cpu["router"] / max(result.changes, 1), 1),
+        "worker_cpu_ms_per_1000": round(1e6 * cpu["eu-west"] / max(result.changes, 1), 1),
         "commit_to_region_topic_p50_ms": percentile(routed.samples, 0.5),
         "commit_to_region_topic_p99_ms": percentile(routed.samples, 0.99),
     }
@@ -595,6 +613,10 @@ def main() -> None:
     print(
         f"    worker flushes (vectors + Redis write): p50 {f['worker_flush_p50_ms']:.0f} ms, "
         f"p99 {f['worker_flush_p99_ms']:.0f} ms, mean batch {f['worker_mean_batch']:.0f} changes"
+    )
+    print(
+        f"    CPU per 1,000 changes: router {f['router_cpu_ms_per_1000']:.0f} ms, "
+        f"worker {f['worker_cpu_ms_per_1000']:.0f} ms"
     )
     print(
         f"    commit -> regional topic (Debezium and the router): "

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from edge_cache.exceptions import CorruptValueError
 from edge_cache.layout import HEADER_SIZE, FreshnessRecord, KeyLayout, header_times
 
-__all__ = ["FreshnessSnapshot", "read_freshness"]
+__all__ = ["QUARANTINE_SAMPLE", "FreshnessSnapshot", "read_freshness"]
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,18 @@ class FreshnessSnapshot:
             and logged).
         sampled_commit_us: Entity type -> source commit times (µs) of a sample of its
             vectors, sorted: catches a region whose records move while its vectors do not.
+        quarantined: How many entities the pipeline cannot write (their vectors are
+            stale until the cause is fixed).
+        quarantine_sample: Up to ``QUARANTINE_SAMPLE`` of them, ``<entity>:<id>`` -> why.
     """
 
     records: dict[str, FreshnessRecord]
     sampled_commit_us: dict[str, tuple[int, ...]]
+    quarantined: int = 0
+    quarantine_sample: tuple[tuple[str, str], ...] = ()
+
+
+QUARANTINE_SAMPLE = 5
 
 
 async def read_freshness(
@@ -67,6 +75,21 @@ async def read_freshness(
             times = header_times(head) if isinstance(head, bytes) else None
             if entity is not None and times is not None:
                 sampled.setdefault(entity, []).append(times[0])
+    quarantine_key = layout.quarantine_key()
+    quarantined = int(await client.hlen(quarantine_key))
+    listed: list[tuple[str, str]] = []
+    if quarantined:
+        _cursor, page = await client.hscan(quarantine_key, 0, count=QUARANTINE_SAMPLE)
+        pairs = page.items() if isinstance(page, dict) else ()
+        listed = sorted((_text(entity), _text(reason)) for entity, reason in pairs)
+        listed = listed[:QUARANTINE_SAMPLE]
     return FreshnessSnapshot(
-        records, {entity: tuple(sorted(times)) for entity, times in sampled.items()}
+        records,
+        {entity: tuple(sorted(times)) for entity, times in sampled.items()},
+        quarantined,
+        tuple(listed),
     )
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

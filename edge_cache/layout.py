@@ -58,6 +58,7 @@ from edge_cache.schema import Dtype, FeatureSchema
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
+    "QUARANTINE_REASON_BYTES",
     "Decoded",
     "FreshnessRecord",
     "KeyLayout",
@@ -230,6 +231,12 @@ class KeyLayout:
         head = self.freshness_key("")
         return key[len(head) :] or None if key.startswith(head) else None
 
+    def quarantine_key(self) -> str:
+        """The HASH where the pipeline lists the entities whose vectors it cannot write
+        (quarantined): ``<entity>:<id>`` -> the reason, at most
+        :data:`QUARANTINE_REASON_BYTES` bytes (``ef:quarantine``)."""
+        return f"{self.namespace}:quarantine"
+
     def freshness_key(self, entity: str) -> str:
         """The HASH where the pipeline records, per entity type, the source commit
         time (``commit_us``), write time (``write_us``) and ``lsn`` of the newest
@@ -238,6 +245,8 @@ class KeyLayout:
 
 
 _PLAIN_ID_TYPES = frozenset({str, int})
+
+QUARANTINE_REASON_BYTES = 500  # a quarantine reason is cut to this many bytes
 
 
 def _id_text(entity_id: str | int) -> str:

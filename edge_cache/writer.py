@@ -34,6 +34,7 @@ from edge_cache.exceptions import (
     UnknownEntityError,
 )
 from edge_cache.layout import (
+    QUARANTINE_REASON_BYTES,
     FreshnessRecord,
     KeyLayout,
     Position,
@@ -424,6 +425,25 @@ class AsyncFeatureWriter:
             await self.client.script_load(WRITE_SCRIPT)
             answers = await self._run(encoded, fresh)
         return self.core.outcome([key for key, _, _ in encoded], answers)
+
+    async def mark_quarantined(
+        self, quarantined: Mapping[str, str], released: Sequence[str] = ()
+    ) -> None:
+        """List entities (``<entity>:<id>`` -> why) whose vectors the pipeline cannot
+        write, and take ``released`` ones off the list (:meth:`KeyLayout.quarantine_key`),
+        in one round trip; monitoring reads the list with
+        :func:`edge_cache.freshness.read_freshness`."""
+        key = self.core.layout.quarantine_key()
+        pipe = self.client.pipeline(transaction=False)
+        if released:
+            pipe.hdel(key, *released)
+        if quarantined:
+            cut = {
+                entity: reason.encode("utf-8")[:QUARANTINE_REASON_BYTES]
+                for entity, reason in quarantined.items()
+            }
+            pipe.hset(key, mapping=cut)  # type: ignore[arg-type]
+        await pipe.execute()
 
     async def _run(
         self, encoded: list[tuple[str, bytes, int]], fresh: list[tuple[str, dict[str, int]]]

@@ -58,6 +58,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "edgefeed_region_freshness_seconds",
     "edgefeed_region_pending_messages",
     "edgefeed_region_status",
+    "edgefeed_region_quarantined_entities",
     "edgefeed_freshness_budget_seconds",
     "edgefeed_replication_slot_retained_wal_bytes",
     "edgefeed_replication_slot_flush_lag_bytes",
@@ -231,10 +232,13 @@ class ReportCollector(Collector):
         if kafka.deadletters is not None:
             dead = CounterMetricFamily(
                 "edgefeed_deadletter_messages",
-                "Messages ever written to the dead-letter topic.",
+                "Messages ever written to a dead-letter topic (central, or a region's).",
                 labels=["topic"],
             )
-            dead.add_metric([kafka.deadletter_topic], kafka.deadletters)
+            for name, count in kafka.deadletters_by_topic or (
+                (kafka.deadletter_topic, kafka.deadletters),
+            ):
+                dead.add_metric([name], count)
             yield dead
 
     def _regions(self, report: Report) -> Iterator[Metric]:
@@ -270,7 +274,14 @@ class ReportCollector(Collector):
             "1 for the region's current state (OK, IDLE, STALE, NODATA, DOWN).",
             ["region", "state"],
         )
+        quarantined = _gauge(
+            "edgefeed_region_quarantined_entities",
+            "Entities whose vectors the pipeline cannot write (stale until fixed).",
+            ["region"],
+        )
         for r in report.regions:
+            if r.state != "DOWN":
+                quarantined.add_metric([r.region], r.quarantined)
             for e in r.entities:
                 key = [r.region, e.entity]
                 if e.freshness_seconds is not None:
@@ -286,7 +297,7 @@ class ReportCollector(Collector):
                 pending.add_metric([r.region], r.pending)
             for s in ("OK", "IDLE", "STALE", "NODATA", "DOWN"):
                 state.add_metric([r.region, s], 1.0 if r.state == s else 0.0)
-        yield from (fresh, delay, oldest, sampled, region_fresh, pending, state)
+        yield from (fresh, delay, oldest, sampled, region_fresh, pending, state, quarantined)
 
     def _cdc(self, report: Report) -> Iterator[Metric]:
         labels = ["slot", "database", "source"]

@@ -35,6 +35,8 @@ class EntityTimes:
 class RegionTimes:
     region: str
     entities: tuple[EntityTimes, ...]
+    quarantined: int = 0  # entities the pipeline cannot write
+    quarantine_sample: tuple[tuple[str, str], ...] = ()  # (entity:id, why), a few
 
 
 async def read_region(
@@ -74,4 +76,4 @@ async def read_region(
                 sample_commit_us=snapshot.sampled_commit_us.get(entity, ()),
             )
         )
-    return RegionTimes(region, tuple(entities))
+    return RegionTimes(region, tuple(entities), snapshot.quarantined, snapshot.quarantine_sample)

@@ -102,6 +102,8 @@ class KafkaReport:
     deadletters: int | None
     deadletters_new: int | None
     error: str | None = None
+    # Per dead-letter topic (the central one and each region's): messages ever written.
+    deadletters_by_topic: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +139,9 @@ class RegionReport:
             region: the source is quiet), STALE (over budget with messages
             pending), NODATA (no freshness record yet), DOWN (Redis unreachable).
         pending: Messages waiting for this region (router lag + its group's lag).
+        quarantined: Entities the pipeline cannot write (their vectors stay stale until
+            the cause is fixed); any makes the region WARN.
+        quarantine_sample: A few of them: (``<entity>:<id>``, why).
     """
 
     region: str
@@ -146,6 +151,8 @@ class RegionReport:
     pending: int | None
     entities: tuple[EntityFreshness, ...]
     error: str | None = None
+    quarantined: int = 0
+    quarantine_sample: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

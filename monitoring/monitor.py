@@ -306,8 +306,11 @@ class Monitor:
             )
         self.history.forget_except(seen_keys)
 
-        dead = topics.get(topic)
-        deadletters = sum(dead[1].values()) if dead else None
+        dead_topics = self.config.names.dead_letter_topics(r.name for r in self.config.regions)
+        by_topic = tuple(
+            (name, sum(topics[name][1].values())) for name in dead_topics if name in topics
+        )
+        deadletters = sum(count for _name, count in by_topic) if by_topic else None
         new = None
         if deadletters is not None:
             self._deadletters.add(snap.at, deadletters)
@@ -319,6 +322,7 @@ class Monitor:
             deadletter_topic=topic,
             deadletters=deadletters,
             deadletters_new=new,
+            deadletters_by_topic=by_topic,
         )
 
     def _rate(self, store: dict[Any, Series], key: Any, at: float, total: int) -> float | None:
@@ -336,8 +340,9 @@ class Monitor:
         pending = self._pending(kafka, target.name)
         if (error := _unavailable(result)) is not None:
             return RegionReport(target.name, "DOWN", "ERR", None, pending, (), error=error)
+        times = cast(RegionTimes, result)
         entities = []
-        for e in cast(RegionTimes, result).entities:
+        for e in times.entities:
             sample = [now - us / 1e6 for us in e.sample_commit_us]
             entities.append(
                 EntityFreshness(
@@ -367,6 +372,8 @@ class Monitor:
             state, severity = "STALE", "ERR"
         else:
             state, severity = "IDLE", "OK"
+        if times.quarantined and severity == "OK":
+            severity = "WARN"  # some entities' vectors are stuck; the rest flow
         return RegionReport(
             target.name,
             state,
@@ -374,6 +381,8 @@ class Monitor:
             freshness,
             pending,
             tuple(entities),
+            quarantined=times.quarantined,
+            quarantine_sample=times.quarantine_sample,
         )
 
     # -- CDC ----------------------------------------------------------------------------
@@ -487,9 +496,16 @@ class Monitor:
                 where = f" {bad.topic}[{bad.partition}]: {bad.reason}" if bad else ""
                 problems.append(f"group {g.group} {g.status}{where}")
         for r in regions:
-            if r.severity != "OK":
+            if r.severity != "OK" and r.state != "OK":
                 problems.append(
                     f"region {r.region} {r.state}" + (f": {r.error}" if r.error else "")
+                )
+            if r.quarantined:
+                first = r.quarantine_sample[0] if r.quarantine_sample else None
+                problems.append(
+                    f"region {r.region}: {r.quarantined} entit"
+                    f"{'y' if r.quarantined == 1 else 'ies'} quarantined (vectors not written)"
+                    + (f", e.g. {first[0]}: {first[1]}" if first else "")
                 )
         for s in slots:
             if s.severity != "OK":
@@ -502,6 +518,11 @@ class Monitor:
         if kafka.deadletters_new:
             problems.append(
                 f"{kafka.deadletters_new} new dead letter(s) on {kafka.deadletter_topic}"
+                + (
+                    " and the regions' dead-letter topics"
+                    if len(kafka.deadletters_by_topic) > 1
+                    else ""
+                )
             )
         return tuple(problems)
 

@@ -18,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import faust
+import orjson
 import redis.exceptions
 from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client import CollectorRegistry
 
 from edge_cache import AsyncFeatureWriter, Delete, RegionSettings, Upsert
 from pipeline.config import PipelineConfig
-from pipeline.envelope import decode_change
+from pipeline.envelope import Change, decode_change
 from pipeline.exceptions import PoisonEventError, SinkUnavailableError
 from pipeline.faustcompat import (
     PartitionWriter,
@@ -99,6 +100,16 @@ def _dead_letter_headers(
     }
 
 
+def _home_of(change: Change | None, column: str) -> str | None:
+    """The home region a decoded change's row names, if any (for its dead letter)."""
+    if change is None:
+        return None
+    for row in (change.after, change.before):
+        if isinstance(row, Mapping) and isinstance(row.get(column), str):
+            return str(row[column])
+    return None
+
+
 def _raw_topic(app: faust.App, name: str, partitions: int) -> Any:
     return app.topic(name, partitions=partitions, key_serializer="raw", value_serializer="raw")
 
@@ -117,6 +128,16 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
         name: _raw_topic(app, names.region_topic(name), partitions) for name in config.region_names
     }
     dead = _raw_topic(app, names.dead_letter_topic, 1)
+    regional_dead = {
+        name: _raw_topic(app, names.region_dead_letter_topic(name), 1)
+        for name in config.region_names
+    }
+    # Source topic -> the home-region column of its table (None: shared data).
+    home_columns = {
+        topic: config.tables[table].home_region_column
+        for table, topic in config.source_topics.items()
+        if table in config.tables
+    }
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
     routed_events = measured.events.labels(app_id, "routed")
@@ -137,6 +158,7 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
             packs: dict[tuple[str, int], list[bytes]] = {}
             for event in events:
                 msg = event.message
+                change = None
                 try:
                     change = decode_change(event.value or b"", offset=msg.offset)
                     if change is None:
@@ -156,18 +178,33 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
                     log.warning(
                         "dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc
                     )
-                    await dead.send(
-                        key=event.key,
-                        value=event.value,
-                        headers=_dead_letter_headers(
-                            exc.reason,
-                            str(exc),
-                            "router",
-                            str(msg.topic),
-                            msg.partition,
-                            msg.offset,
-                        ),
+                    headers = _dead_letter_headers(
+                        exc.reason, str(exc), "router", str(msg.topic), msg.partition, msg.offset
                     )
+                    column = home_columns.get(str(msg.topic))
+                    if column is None:  # shared data: the central dead letters
+                        await dead.send(key=event.key, value=event.value, headers=headers)
+                        continue
+                    home = _home_of(change, column)
+                    if home in regional_dead:  # personal data stays in its region
+                        await regional_dead[home].send(
+                            key=event.key, value=event.value, headers=headers
+                        )
+                        continue
+                    # Personal data of no known region: a pointer to the source
+                    # record, never the row itself (nor an error text quoting it).
+                    headers["edgefeed-withheld"] = b"personal row of an unknown region"
+                    headers["edgefeed-error"] = exc.reason.encode()
+                    pointer = orjson.dumps(
+                        {
+                            "withheld": "personal row of an unknown region",
+                            "reason": exc.reason,
+                            "topic": str(msg.topic),
+                            "partition": msg.partition,
+                            "offset": msg.offset,
+                        }
+                    )
+                    await dead.send(key=None, value=pointer, headers=headers)
                     continue
                 if not bound:
                     ignored_events.inc()
@@ -219,6 +256,13 @@ class _FaustCache:
     async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
         try:
             return await self._write(ops, now_us)
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
+
+    async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
+        try:
+            cache = await self.writer()
+            await cache.mark_quarantined(quarantined, released)
         except _UNAVAILABLE as exc:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
 
@@ -316,7 +360,7 @@ def build_region_app(
     engine = FeatureEngine(config.entities)
     partitions = config.pipeline.partitions
     changes = _raw_topic(app, names.region_topic(region_name), partitions)
-    dead = _raw_topic(app, names.dead_letter_topic, 1)
+    dead = _raw_topic(app, names.region_dead_letter_topic(region_name), 1)
     # The states as the changelog holds them: one record per entity and one per row
     # chunk (pipeline.statestore), so a checkpoint writes only what changed.
     state = app.Table(STATE_TABLE, partitions=partitions, key_type=str)

@@ -7,6 +7,7 @@ the wrong group.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["STATE_TABLE", "PipelineNames"]
@@ -21,7 +22,11 @@ class PipelineNames:
     Attributes:
         app_prefix: Prefix of the Faust app ids, which are also the consumer groups.
         region_topic_prefix: A region's change topic is ``<prefix>.<region>``.
-        dead_letter_topic: Where events that cannot be processed go, with the reason.
+        dead_letter_topic: Where events that cannot be processed go, with the reason:
+            the router's poison of shared tables, and a pointer (no value) to poison
+            of personal tables whose home region is not known. A region's own dead
+            letters go to :meth:`region_dead_letter_topic`, so personal rows never
+            leave their region.
     """
 
     app_prefix: str = "edgefeed"
@@ -54,6 +59,15 @@ class PipelineNames:
     def region_topic(self, region: str) -> str:
         """The topic the router writes a region's changes to."""
         return f"{self.region_topic_prefix}.{region}"
+
+    def region_dead_letter_topic(self, region: str) -> str:
+        """A region's dead letters: its worker's, and the router's poison of personal
+        rows whose home is this region (``<dead_letter_topic>.<region>``)."""
+        return f"{self.dead_letter_topic}.{region}"
+
+    def dead_letter_topics(self, regions: Iterable[str]) -> list[str]:
+        """Every dead-letter topic: the central one, then each region's."""
+        return [self.dead_letter_topic, *(self.region_dead_letter_topic(r) for r in regions)]
 
     def changelog_topic(self, region: str) -> str:
         """The changelog of a region's entity states (Faust names a table's changelog

@@ -175,7 +175,7 @@ class Suite:
             deploy.apply(client, self.settings.database, self.settings.sources, wait_s=120)
         names = self.settings.pipeline.names
         topics = {names.region_topic(r): self.settings.pipeline.partitions for r in self.regions}
-        topics[names.dead_letter_topic] = 1
+        topics.update(dict.fromkeys(names.dead_letter_topics(self.regions), 1))
         asyncio.run(ensure_topics(self.settings.kafka.bootstrap_servers, topics))
         for app in ("router", *self.regions):
             self.start_app(app)
@@ -206,8 +206,9 @@ class Suite:
             consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka.bootstrap_servers)
             await consumer.start()
             try:
-                tp = TopicPartition(self.settings.pipeline.dead_letter_topic, 0)
-                return int((await consumer.end_offsets([tp]))[tp])
+                names = self.settings.pipeline.names
+                tps = [TopicPartition(t, 0) for t in names.dead_letter_topics(self.regions)]
+                return sum(int(end) for end in (await consumer.end_offsets(tps)).values())
             finally:
                 await consumer.stop()
 

@@ -186,6 +186,12 @@ def render(report: Report) -> Group:
                 _seconds(e.write_delay_seconds),
                 f"{_seconds(e.sample_oldest_seconds)} ({e.sampled})",
             )
+    for r in report.regions:
+        for entity, reason in r.quarantine_sample:
+            regions.add_row(r.region, _styled("WARN"), "", "", f"quarantined {entity}", reason)
+        if r.quarantined > len(r.quarantine_sample):
+            hidden = r.quarantined - len(r.quarantine_sample)
+            regions.add_row(r.region, _styled("WARN"), "", "", f"... {hidden} more quarantined")
     cdc = Table(title="CDC source", title_justify="left")
     for column in ("kind", "name", "state", "detail"):
         cdc.add_column(column, overflow="fold")

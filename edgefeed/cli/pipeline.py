@@ -72,11 +72,14 @@ def run(
     from pipeline.app import build_region_app, build_router_app
     from pipeline.topics import ensure_topics
 
+    names = settings.pipeline.names
     if role == "router":
         topics = {
             settings.pipeline.region_topic(r): settings.pipeline.partitions
             for r in settings.region_names
         }
+        for dead_letters in names.dead_letter_topics(settings.region_names):
+            topics[dead_letters] = 1
         for source in settings.sources:
             for table in source.tables:
                 topics[source.topic_for(table.name)] = source.partitions
@@ -84,7 +87,9 @@ def run(
         # On the region's own broker (the central one without sites): its change
         # topic (the forwarder fills it) and its dead letters.
         topics = {settings.pipeline.region_topic(region or ""): settings.pipeline.partitions}
-    topics[settings.pipeline.dead_letter_topic] = 1
+        topics[names.region_dead_letter_topic(region or "")] = 1
+        if settings.sites.bootstrap_of(region or "") is None:
+            topics[names.dead_letter_topic] = 1
     asyncio.run(
         ensure_topics(
             config.kafka.bootstrap_servers,

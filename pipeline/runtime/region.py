@@ -62,6 +62,15 @@ class CacheSink(Protocol):
         """
         ...
 
+    async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
+        """List entities whose vectors cannot be written (key -> why), take released
+        ones off the list: what ``edgefeed lag`` and the exporter show.
+
+        Raises:
+            SinkUnavailableError: the cache did not answer (the next flush tries again).
+        """
+        ...
+
     async def intact(self) -> bool:
         """False when the cache lost what the worker wrote (a restart without
         persistence): the worker then writes every vector again.
@@ -166,6 +175,9 @@ class RegionRuntime:
         # Entity key -> why its vector cannot be written; its changes still apply to
         # the state (so it is right once the cause is fixed), its writes are skipped.
         self.quarantined: dict[str, str] = {}
+        # What the cache's quarantine list still lacks: keys to list, keys to release.
+        self._to_list: set[str] = set()
+        self._to_release: set[str] = set()
         self._next_intact_check = clock() + INTACT_CHECK_S
         self.retry_first_s, self.retry_max_s = RETRY_FIRST_S, RETRY_MAX_S
         self._written = {
@@ -281,6 +293,8 @@ class RegionRuntime:
                     entity_type, entity_id = key.split(":", 1)
                     ops.append(self.engine.engine(entity_type).write_op(entity_id, self.live[key]))
                 await self._write(ops, keys[start : start + REFILL_SLICE])
+            self._to_list.update(self.quarantined)  # the list went with the data
+            await self._report_quarantine()
             return True
 
     async def flush(self) -> None:
@@ -292,21 +306,27 @@ class RegionRuntime:
                 ops: list[Upsert | Delete] = []
                 keys: list[str] = []
                 states: list[tuple[str, Delivery, EntityState]] = []
+                retry: list[tuple[Upsert | Delete, str]] = []
                 for key, touched in closed.touched.items():
                     states.append((key, touched.delivery, touched.state))
-                    if key in self.quarantined:
-                        continue
                     entity = self.engine.engine(touched.entity)
-                    ops.append(entity.write_op(touched.entity_id, touched.state))
+                    op = entity.write_op(touched.entity_id, touched.state)
+                    if key in self.quarantined:
+                        retry.append((op, key))  # alone: its failure must not slow the rest
+                        continue
+                    ops.append(op)
                     keys.append(key)
                 if ops:
                     await self._write(ops, keys)
+                for op, key in retry:  # a change may have cured it
+                    await self._write([op], [key])
                 # In the cache now: the states await the changelog, the messages an ack.
                 self.ledger.written(closed.deliveries, states)
                 elapsed = time.perf_counter() - started
                 self.batch.flushed(elapsed)
                 self._batch_sizes.observe(closed.changes)
                 self._batch_seconds.observe(elapsed)
+            await self._report_quarantine()
             if self.ledger.due(self.clock()) and not self._checkpoint_lock.locked():
                 self._checkpoint_task = asyncio.ensure_future(self._checkpoint_or_fail())
 
@@ -323,13 +343,38 @@ class RegionRuntime:
             # so writing the good ones again changes nothing).
             for op, key in zip(ops, keys, strict=True):
                 await self._write([op], [key])
+            return
+        for key in keys:
+            if self.quarantined.pop(key, None) is not None:
+                log.warning(
+                    "region %s: entity %s written again, out of quarantine", self.region, key
+                )
+                self._to_list.discard(key)
+                self._to_release.add(key)
+                self._quarantine_gauge.set(len(self.quarantined))
 
     def _quarantine(self, key: str, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         if key not in self.quarantined:
             log.error("region %s: entity %s quarantined: %s", self.region, key, reason)
         self.quarantined[key] = reason[:500]
+        self._to_list.add(key)
+        self._to_release.discard(key)
         self._quarantine_gauge.set(len(self.quarantined))
+
+    async def _report_quarantine(self) -> None:
+        """Bring the cache's quarantine list up to date (best effort: a cache that does
+        not answer gets it at the next flush)."""
+        if not self._to_list and not self._to_release:
+            return
+        listed = {key: self.quarantined[key] for key in self._to_list if key in self.quarantined}
+        released = sorted(self._to_release)
+        try:
+            await self.cache.quarantine(listed, released)
+        except SinkUnavailableError:
+            return
+        self._to_list.difference_update(listed)
+        self._to_release.difference_update(released)
 
     async def _write_retrying(self, ops: list[Upsert | Delete]) -> None:
         delay = self.retry_first_s

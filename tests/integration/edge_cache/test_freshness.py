@@ -61,3 +61,20 @@ async def test_a_malformed_record_is_left_out_not_fatal(regions: list[RegionSett
     finally:
         await client.aclose()
     assert snapshot.records == {"item": FreshnessRecord("item", 1, 2, 3)}
+
+
+async def test_the_quarantine_list_is_read_back_with_the_freshness(
+    regions: list[RegionSettings],
+) -> None:
+    region = regions[0]
+    async with AsyncFeatureWriter.from_region(region, [USER]) as writer:
+        await writer.mark_quarantined({"user:8": "OverflowError: " + "x" * 900, "user:9": "bad"})
+        await writer.mark_quarantined({}, released=["user:9"])
+    times = await read_region(region.name, region.redis_url)
+    assert times.quarantined == 1
+    ((entity, reason),) = times.quarantine_sample
+    assert entity == "user:8" and reason.startswith("OverflowError")
+    assert len(reason.encode()) <= 500  # a reason is cut, however long the error
+    async with AsyncFeatureWriter.from_region(region, [USER]) as writer:
+        await writer.mark_quarantined({}, released=["user:8"])
+    assert (await read_region(region.name, region.redis_url)).quarantined == 0

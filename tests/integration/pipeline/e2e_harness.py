@@ -6,6 +6,7 @@ command operators use), so a test can kill -9 one and start it again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 
 ROOT = Path(__file__).resolve().parents[3]
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
+READY_S = 180  # a worker starting on a busy machine (Faust import, recovery): a deadline
 
 
 @dataclass
@@ -67,7 +69,7 @@ class PipelineRun:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline:
             text = log.read_bytes()[offset:].decode(errors="replace")
             if "Worker]: Ready" in text:
@@ -75,24 +77,31 @@ class PipelineRun:
             if self.procs[name].poll() is not None:
                 raise AssertionError(f"{name} exited during start-up:\n{text[-3000:]}")
             time.sleep(0.2)
-        raise AssertionError(f"{name} not ready in 90 s:\n{log.read_text()[-3000:]}")
+        raise AssertionError(f"{name} not ready in {READY_S} s:\n{log.read_text()[-3000:]}")
 
     def kill9(self, name: str) -> None:
         proc = self.procs.pop(name)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
 
     def stop_all(self) -> None:
+        """Stop every process, however busy the machine: SIGTERM, then SIGKILL, and
+        always reap (an unreaped child is a leak and a ResourceWarning)."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                _signal_group(proc, signal.SIGTERM)
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()  # SIGKILL cannot be ignored
         self.procs.clear()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.killpg(proc.pid, sig)
 
 
 def shop_settings(stack_mapping: dict[str, Any], schema: str, tag: str) -> dict[str, Any]:

@@ -219,18 +219,34 @@ def test_poison_event_goes_to_the_dead_letter_topic_and_good_events_still_flow(
     run = pipeline_run
     bootstrap = run.settings.kafka.bootstrap_servers
     events_topic = run.settings.sources[0].topic_for(run.table("events"))
+    names = run.settings.pipeline.names
+    bad_region = {
+        "event_id": 424243, "user_id": 1003, "item_id": 501, "category_id": 7,
+        "price": "12.50", "home_region": "ap-southeast", "kind": "view",
+        "occurred_at": "2026-06-01T12:00:00Z", "extra": 2**70,
+    }  # fmt: skip
+    known_home = json.dumps(
+        {
+            "op": "c",
+            "before": None,
+            "after": bad_region,
+            "source": {"ts_ms": 1, "schema": run.schema, "table": "events", "lsn": 5},
+        }
+    ).encode()
 
-    async def produce() -> None:
+    async def produce() -> tuple[int, int]:
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
         await producer.start()
         try:
-            await producer.send_and_wait(
+            sent = await producer.send_and_wait(
                 events_topic, b"{this is not json", key=b'{"event_id":424242}'
             )
+            await producer.send_and_wait(events_topic, known_home, key=b'{"event_id":424243}')
+            return int(sent.partition), int(sent.offset)
         finally:
             await producer.stop()
 
-    asyncio.run(produce())
+    undecodable_partition, undecodable_offset = asyncio.run(produce())
     sql(
         run,
         "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
@@ -242,13 +258,37 @@ def test_poison_event_goes_to_the_dead_letter_topic_and_good_events_still_flow(
         lambda: (vector(run, "ap-southeast", "user", 1003) or {}).get("views_30m") == 1,
     )
 
-    records = asyncio.run(read_all(bootstrap, run.settings.pipeline.dead_letter_topic))
-    poisoned = [r for r in records if r.value == b"{this is not json"]
-    assert len(poisoned) == 1
-    headers = dict(poisoned[0].headers)
-    assert headers["edgefeed-reason"] == b"undecodable"
-    assert headers["edgefeed-topic"] == events_topic.encode()
-    assert b"not JSON" in headers["edgefeed-error"]
+    # A personal row of no known home: the central dead letters point at the source
+    # record and hold nothing of it (no key, no value, no error text quoting it).
+    central = asyncio.run(read_all(bootstrap, names.dead_letter_topic))
+    pointers = [
+        r
+        for r in central
+        if dict(r.headers).get("edgefeed-offset") == str(undecodable_offset).encode()
+        and dict(r.headers)["edgefeed-partition"] == str(undecodable_partition).encode()
+        and dict(r.headers)["edgefeed-topic"] == events_topic.encode()
+    ]
+    assert len(pointers) == 1, [(r.key, r.value, dict(r.headers)) for r in central]
+    (pointer,) = pointers
+    headers = dict(pointer.headers)
+    assert pointer.key is None
+    assert json.loads(pointer.value) == {
+        "withheld": "personal row of an unknown region",
+        "reason": "undecodable",
+        "topic": events_topic,
+        "partition": undecodable_partition,
+        "offset": undecodable_offset,
+    }
+    assert headers["edgefeed-reason"] == headers["edgefeed-error"] == b"undecodable"
+    assert b"unknown region" in headers["edgefeed-withheld"]
+    # A personal row whose home is known stays in its region, whole.
+    regional = asyncio.run(read_all(bootstrap, names.region_dead_letter_topic("ap-southeast")))
+    (kept,) = [r for r in regional if r.value == known_home]
+    assert dict(kept.headers)["edgefeed-stage"] == b"router"
+    for region in run.settings.region_names:
+        if region != "ap-southeast":
+            others = asyncio.run(read_all(bootstrap, names.region_dead_letter_topic(region)))
+            assert all(r.value != known_home for r in others), region
 
 
 def snapshot(run: PipelineRun, region: str) -> dict[bytes, bytes | None]:

@@ -101,7 +101,16 @@ def sample_report() -> Report:
         deadletters_new=1,
     )
     entity = EntityFreshness("users", 1.5, 0.2, "123", 3, 9.0, 1.5)
-    region = RegionReport("eu-west", "OK", "OK", 1.5, 6, (entity,))
+    region = RegionReport(
+        "eu-west",
+        "OK",
+        "WARN",
+        1.5,
+        6,
+        (entity,),
+        quarantined=2,
+        quarantine_sample=(("user:8", "OverflowError: too big"),),
+    )
     slot = SlotReport(
         "edgefeed_shop",
         "pgoutput",
@@ -152,6 +161,8 @@ def test_exporter_output_parses_and_uses_kafka_exporter_names() -> None:
         if s.labels["state"] == "FAILED"
     ]
     assert [s.value for s in failed] == [1.0]
+    (quarantined,) = families["edgefeed_region_quarantined_entities"].samples
+    assert (quarantined.labels, quarantined.value) == ({"region": "eu-west"}, 2)
 
 
 def test_series_rate_and_increase_over_the_window() -> None:
@@ -165,3 +176,15 @@ def test_series_rate_and_increase_over_the_window() -> None:
     series.add(4.0, 30)
     series.add(6.0, 30)  # the window keeps 3 points: 2.0, 4.0, 6.0
     assert series.increase() == 0 and series.rate() == 0.0
+
+
+def test_lag_lists_quarantined_entities_with_the_reason() -> None:
+    from rich.console import Console
+
+    from edgefeed.cli.monitoring import render
+
+    console = Console(width=200, record=True)
+    console.print(render(sample_report()))
+    text = console.export_text()
+    assert "quarantined user:8" in text and "OverflowError: too big" in text
+    assert "1 more quarantined" in text  # 2 quarantined, one of them listed

@@ -196,6 +196,14 @@ class FakeCache:
         self.down_for = 0  # the next writes that find the cache unavailable
         self.refuse: set[str] = set()  # entity keys whose values the cache refuses
         self.lost = False
+        self.quarantine_list: dict[str, str] = {}  # what monitoring reads
+
+    async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
+        if self.down_for:
+            raise SinkUnavailableError("connection refused")
+        for key in released:
+            self.quarantine_list.pop(key, None)
+        self.quarantine_list.update(quarantined)
 
     async def intact(self) -> bool:
         if self.lost:
@@ -452,13 +460,42 @@ async def test_an_entity_the_cache_refuses_is_quarantined_and_the_rest_flows() -
     assert set(cache.vectors) == {"user:7", "user:9"}
     assert set(runtime.quarantined) == {"user:8"}
     assert "does not fit" in runtime.quarantined["user:8"]
+    assert set(cache.quarantine_list) == {"user:8"}  # listed where `edgefeed lag` reads
     await runtime.on_message(Delivery(0, 2), pack(view(4, 8, 13), view(5, 7, 14)))
     clock.now += 0.05
-    await runtime.flush()  # the quarantined entity is skipped, not retried forever
+    await runtime.flush()  # tried alone: it still fails, the rest is written
     assert cache.vectors["user:7"]["views_30m"] == 2
+    assert "user:8" not in cache.vectors and set(runtime.quarantined) == {"user:8"}
     clock.now += 1.0
     await runtime.checkpoint()
     assert acked(journal) == [1, 2]  # nothing waits on the quarantined entity
+
+
+async def test_a_quarantined_entity_is_released_once_a_change_makes_it_writable() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    cache.refuse = {"user:8"}
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 8, 10)))
+    clock.now += 0.05
+    await runtime.flush()
+    assert set(runtime.quarantined) == {"user:8"}
+    cache.refuse = set()  # e.g. the offending value was corrected at the source
+    await runtime.on_message(Delivery(0, 2), pack(view(2, 8, 11)))
+    clock.now += 0.05
+    await runtime.flush()
+    assert runtime.quarantined == {} and cache.quarantine_list == {}
+    assert cache.vectors["user:8"]["views_30m"] == 2  # the state kept every change
+
+
+async def test_the_quarantine_list_reaches_a_cache_that_was_down_or_lost_its_data() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    cache.refuse = {"user:8"}
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 8, 10), view(2, 7, 11)))
+    clock.now += 0.05
+    await runtime.flush()
+    cache.quarantine_list.clear()  # redis-server restarted without persistence
+    cache.lost = True
+    assert await runtime.check_cache()
+    assert set(cache.quarantine_list) == {"user:8"}
 
 
 async def test_a_cache_that_lost_its_data_is_refilled_from_the_states() -> None:
