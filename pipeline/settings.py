@@ -319,8 +319,16 @@ class KafkaSettings(BaseModel):
         session_timeout_ms: Consumer group session timeout. Tansu (the local
             broker) answers a new group's join after about half of it, so keep
             it at 6-10 s in development.
-        fetch_max_wait_ms: How long a fetch waits for data. Keep it short
-            (10-50 ms): the freshness budget is counted in milliseconds.
+        fetch_max_wait_ms: How long a fetch waits for data while changes flow. Keep
+            it short (10-50 ms): the freshness budget is counted in milliseconds,
+            and Tansu (the local broker) answers a fetch of several partitions
+            only after a part of this wait even when data arrives sooner.
+        idle_fetch_max_wait_ms: The fetch wait once a worker has seen no message
+            for 2 s (back to ``fetch_max_wait_ms`` with the first one): an idle
+            worker then asks the broker a few times a second instead of 50, which
+            is most of its idle CPU and of the broker's. The first change after
+            a quiet spell may wait up to this long on Tansu (a Kafka broker answers
+            a waiting fetch as soon as data arrives). 0 keeps the short wait.
         linger_ms: How long a producer holds records to send them together.
             A few milliseconds turns hundreds of tiny produce requests a second
             into a few larger ones (less work for the pipeline and the broker).
@@ -332,6 +340,7 @@ class KafkaSettings(BaseModel):
     client_id: str = "edgefeed"
     session_timeout_ms: int = Field(default=10_000, ge=1_000)
     fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
+    idle_fetch_max_wait_ms: int = Field(default=500, ge=0, le=5000)
     linger_ms: int = Field(default=5, ge=0, le=1000)
 
     @field_validator("bootstrap_servers", mode="before")
@@ -349,3 +358,13 @@ class KafkaSettings(BaseModel):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"bootstrap server {server!r} must be host:port")
         return value
+
+    @model_validator(mode="after")
+    def _idle_wait(self) -> KafkaSettings:
+        idle = self.idle_fetch_max_wait_ms
+        if idle and idle < self.fetch_max_wait_ms:
+            raise ValueError(
+                f"idle_fetch_max_wait_ms {idle} is shorter than fetch_max_wait_ms "
+                f"{self.fetch_max_wait_ms}: make it longer, or 0 to keep the short wait"
+            )
+        return self
