@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -67,6 +67,8 @@ def region_group(region: str) -> str:
 class RegionTarget:
     name: str
     redis_url: str = field(repr=False)  # may hold a password
+    #: More redis-py options: the reader's ACL user and TLS (holds a password).
+    redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +176,11 @@ class Monitor:
         )
         region_tasks = [
             read_region(
-                r.name, r.redis_url, sample_size=config.sample_size, timeout_s=config.timeout_s
+                r.name,
+                r.redis_url,
+                sample_size=config.sample_size,
+                timeout_s=config.timeout_s,
+                redis_options=r.redis_options,
             )
             for r in config.regions
         ]

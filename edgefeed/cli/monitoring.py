@@ -87,7 +87,9 @@ def build_config(
     secret = settings.database.secret()
     return MonitorConfig(
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
-        regions=tuple(RegionTarget(r.name, r.redis_url) for r in settings.regions),
+        regions=tuple(
+            RegionTarget(r.name, r.redis_url, r.redis_options("reader")) for r in settings.regions
+        ),
         sources=tuple(
             SourceTarget(s.name, s.connector_name, s.effective_slot_name) for s in settings.sources
         ),
