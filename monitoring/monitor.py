@@ -102,12 +102,14 @@ class MonitorConfig:
         slot_wal_bound_bytes: Retained WAL past this is an error.
         sample_size: Vectors sampled per region.
         secrets: Values never shown (the database password).
+        kafka_options: More aiokafka options: SASL and TLS (holds a password).
     """
 
     bootstrap_servers: tuple[str, ...]
     regions: tuple[RegionTarget, ...] = ()
     sources: tuple[SourceTarget, ...] = ()
     database_dsn: str | None = field(default=None, repr=False)
+    kafka_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     connect_url: str | None = field(default=None, repr=False)
     groups: tuple[str, ...] = ()
     names: PipelineNames = _DEFAULT_NAMES
@@ -173,6 +175,7 @@ class Monitor:
             select_group=config.selects,
             client_id=config.client_id,
             request_timeout_ms=int(config.timeout_s * 1000),
+            client_options=config.kafka_options,
         )
         region_tasks = [
             read_region(

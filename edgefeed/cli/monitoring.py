@@ -84,7 +84,6 @@ def build_config(
     """The monitor's view of the settings file."""
     from monitoring import MonitorConfig, RegionTarget, SourceTarget
 
-    secret = settings.database.secret()
     return MonitorConfig(
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
         regions=tuple(
@@ -94,6 +93,7 @@ def build_config(
             SourceTarget(s.name, s.connector_name, s.effective_slot_name) for s in settings.sources
         ),
         database_dsn=settings.database.dsn(),
+        kafka_options=settings.kafka.security.aiokafka_options(),
         connect_url=settings.connect.url,
         groups=tuple(groups or ()),
         names=settings.pipeline.names,
@@ -104,7 +104,7 @@ def build_config(
         sample_size=sample_size,
         timeout_s=settings.connect.timeout_s,
         client_id=f"{settings.kafka.client_id}-monitor",
-        secrets=(secret,) if secret else (),
+        secrets=tuple(settings.database.secrets()),
     )
 
 

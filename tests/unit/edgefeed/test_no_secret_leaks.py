@@ -1,8 +1,9 @@
 """No secret appears in any output, log or exception of any ``edgefeed`` command.
 
 Every secret setting (the database password inline, from the environment, from
-a file; the Redis URLs' passwords; the Redis ACL users' passwords; the Connect URL's
-userinfo; the exporter's bearer token) holds a marker.
+a file; the replication role's password; the Redis URLs' passwords; the Redis
+ACL users' passwords; the Connect URL's userinfo; the exporter's bearer token)
+holds a marker.
 Every subcommand runs as a real process against services that are not there
 (closed loopback ports), plus the error paths of bad settings files; the marker
 must be in no stdout, stderr or served page. Nothing here needs a running stack.
@@ -43,6 +44,7 @@ ENV_PASSWORD = "S3cr3t-M4rker-env"
 REDIS_READER_PASSWORD = "S3cr3t M4rker-reader"
 REDIS_WRITER_PASSWORD = "S3cr3t-M4rker-writer"
 EXPORTER_TOKEN = "S3cr3t-M4rker-exporter-token"
+REPLICATION_PASSWORD = "S3cr3t M4rker-cdc"
 
 # Every leaf command: the marker test must know how to run each one.
 COMMANDS = {
@@ -240,7 +242,8 @@ def settings_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     secret_file = tmp / "pg-password"
     secret_file.write_text(PG_PASSWORD + "\n")
     variants = {
-        "inline": f'  password: "{PG_PASSWORD.replace(chr(92), chr(92) * 2)}"',
+        "inline": f'  password: "{PG_PASSWORD.replace(chr(92), chr(92) * 2)}"\n'
+        f'  replication: {{user: edgefeed_cdc, password: "{REPLICATION_PASSWORD}"}}',
         "env": '  password: "${EF_TEST_PG_PASSWORD}"',
         "file": f"  password_file: {secret_file}",
         "env-name": "  password_env: EF_TEST_PG_PASSWORD_BY_NAME",
