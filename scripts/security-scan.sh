@@ -14,5 +14,7 @@ fi
 # Waived checks (each explained in docs/security.md, "Static checks"):
 #   CKV_DOCKER_2  HEALTHCHECK in the Dockerfile: each compose service defines its own
 #                 (the image runs as router, worker, exporter or one-shot CLI).
-exec "$VENV/bin/checkov" --quiet --compact --framework dockerfile \
-  --file deploy/edgefeed.Dockerfile --skip-check CKV_DOCKER_2 "$@"
+# --skip-download and BC_SKIP_MAPPING: nothing is fetched from Prisma Cloud at run time
+# (offline, checkov reports no severities: every failed check counts).
+BC_SKIP_MAPPING=TRUE exec "$VENV/bin/checkov" --quiet --compact --skip-download \
+  --framework dockerfile --file deploy/edgefeed.Dockerfile --skip-check CKV_DOCKER_2 "$@"
