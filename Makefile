@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.edgefeed-installed
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test test-unit lint bench bench-peers-serving faults faults-short up down clean
+.PHONY: help install demo test test-unit lint bench bench-peers-serving faults faults-short security-scan up down clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ faults: $(STAMP) ## Run the fault suite on its own local stack (see docs/operati
 
 faults-short: $(STAMP) ## The fault suite's four-fault variant (~2 min on a quiet machine)
 	$(BIN)/python scripts/fault_suite.py --short
+
+security-scan: ## checkov on the deployment files, in its own venv (.venv-checkov)
+	bash scripts/security-scan.sh
 
 up: $(STAMP) ## Start the local stack (edgefeed dev up)
 	$(BIN)/edgefeed --settings examples/edgefeed.yaml dev up

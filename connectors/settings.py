@@ -14,6 +14,7 @@ from connectors.secrets import redact_urls
 __all__ = [
     "ConnectSettings",
     "DatabaseSettings",
+    "ReplicationRoleSettings",
     "SnapshotMode",
     "SourceSettings",
     "TableSettings",
@@ -49,6 +50,73 @@ class ConnectSettings(BaseModel):
         return value.rstrip("/")
 
 
+class ReplicationRoleSettings(BaseModel):
+    """The role Debezium connects as: ``LOGIN REPLICATION``, not a superuser.
+
+    ``edgefeed connectors apply`` creates it (or brings it back to these grants)
+    as the database settings' user: SELECT on the captured tables, SELECT,
+    INSERT, UPDATE on the heartbeat table, CONNECT and schema USAGE; apply
+    creates the publication itself, so the role owns nothing. The password is
+    given one way, as for the database: ``password``, ``password_env`` (the
+    connector config holds ``${env:NAME}``) or ``password_file``
+    (``${dir:DIR:FILE}``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user: str = "edgefeed_cdc"
+    password: SecretStr = SecretStr("")
+    password_env: str | None = None
+    password_file: Path | None = None
+
+    @field_validator("user")
+    @classmethod
+    def _role_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", value):
+            raise ValueError(
+                f"replication user {value!r} must be lowercase letters, digits and '_' "
+                "(a PostgreSQL role name that needs no quoting)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> ReplicationRoleSettings:
+        given = [
+            name
+            for name, value in (
+                ("password", self.password.get_secret_value()),
+                ("password_env", self.password_env),
+                ("password_file", self.password_file),
+            )
+            if value
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "database.replication needs exactly one of password, password_env, "
+                f"password_file (got {', '.join(given) or 'none'})"
+            )
+        return self
+
+    def secret(self) -> str:
+        """The password itself ("" when its file or variable is missing)."""
+        if self.password_env:
+            return os.environ.get(self.password_env, "")
+        if self.password_file:
+            try:
+                return self.password_file.read_text(encoding="utf-8").strip()
+            except OSError:
+                return ""
+        return self.password.get_secret_value()
+
+    def connect_password_reference(self) -> str:
+        """What the connector config holds for the password (a provider reference if any)."""
+        if self.password_env:
+            return f"${{env:{self.password_env}}}"
+        if self.password_file:
+            return f"${{dir:{self.password_file.parent}:{self.password_file.name}}}"
+        return self.password.get_secret_value()
+
+
 class DatabaseSettings(BaseModel):
     """The PostgreSQL database whose changes Debezium captures.
 
@@ -74,6 +142,7 @@ class DatabaseSettings(BaseModel):
     password: SecretStr = SecretStr("")
     password_env: str | None = None
     password_file: Path | None = None
+    replication: ReplicationRoleSettings | None = None
 
     @model_validator(mode="after")
     def _one_password_source(self) -> DatabaseSettings:
@@ -100,6 +169,27 @@ class DatabaseSettings(BaseModel):
             except OSError:
                 return ""
         return self.password.get_secret_value()
+
+    def secrets(self) -> list[str]:
+        """Every password these settings hold (the database's, the replication role's)."""
+        found = [self.secret()]
+        if self.replication is not None:
+            found.append(self.replication.secret())
+        return [s for s in found if s]
+
+    def provider_references(self) -> tuple[list[str], list[Path]]:
+        """The environment variables and folders the connector config reads through
+        Connect's config providers: what a Connect worker must allow, and no more."""
+        env: list[str] = []
+        folders: list[Path] = []
+        for source in (self, self.replication):
+            if source is None:
+                continue
+            if source.password_env:
+                env.append(source.password_env)
+            if source.password_file:
+                folders.append(source.password_file.parent)
+        return env, folders
 
     def connect_password_reference(self) -> str:
         """What the connector config holds for the password (a provider reference if any)."""

@@ -72,6 +72,9 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
         "stream_wait_empty": False,
         "producer_linger": kafka.linger_ms / 1000.0,
     }
+    credentials = kafka.security.faust_credentials()
+    if credentials is not None:
+        options["broker_credentials"] = credentials
     options.update(overrides)
     options.update(config.extra_faust)
     app = faust.App(app_id, **options)

@@ -57,6 +57,7 @@ def run(
             settings.kafka.bootstrap_servers,
             topics,
             replication_factor=settings.pipeline.replication_factor,
+            client_options=settings.kafka.security.aiokafka_options(),
         )
     )
     from prometheus_client import REGISTRY, start_http_server

@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
-_PROVIDERS = "org.apache.kafka.common.config.provider"
 
 
 @dataclass(slots=True)
@@ -333,6 +332,7 @@ class ConnectService(Service):
     bootstrap: str = ""
     group_id: str = "edgefeed-connect"
     heap: str = "384m"
+    providers: dict[str, str] = field(default_factory=dict)
     kind: str = field(default="kafka-connect", init=False)
 
     def prepare(self) -> None:
@@ -366,10 +366,9 @@ class ConnectService(Service):
             "producer.enable.metrics.push": "false",
             "consumer.enable.metrics.push": "false",
             "admin.enable.metrics.push": "false",
-            "config.providers": "env,file,dir",
-            "config.providers.env.class": f"{_PROVIDERS}.EnvVarConfigProvider",
-            "config.providers.file.class": f"{_PROVIDERS}.FileConfigProvider",
-            "config.providers.dir.class": f"{_PROVIDERS}.DirectoryConfigProvider",
+            # Config providers: only those the settings use, each limited to
+            # what the connector reads (connectors.config.worker_provider_properties).
+            **self.providers,
         }
         (self.home / "worker.properties").write_text(
             "".join(f"{key}={value}\n" for key, value in props.items())

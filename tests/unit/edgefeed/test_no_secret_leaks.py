@@ -1,7 +1,9 @@
 """No secret appears in any output, log or exception of any ``edgefeed`` command.
 
 Every secret setting (the database password inline, from the environment, from
-a file; the Redis URLs' passwords; the Connect URL's userinfo) holds a marker.
+a file; the replication role's password; the Redis URLs' passwords; the Redis
+ACL users' passwords; the Connect URL's userinfo; the exporter's bearer token)
+holds a marker.
 Every subcommand runs as a real process against services that are not there
 (closed loopback ports), plus the error paths of bad settings files; the marker
 must be in no stdout, stderr or served page. Nothing here needs a running stack.
@@ -39,6 +41,10 @@ REDIS_PASSWORD = "S3cr3t-M4rker-redis"
 REDIS_USER_PASSWORD = "S3cr3t M4rker/redis@x"  # needs URL quoting
 CONNECT_USERINFO = "admin:S3cr3t-M4rker-connect"
 ENV_PASSWORD = "S3cr3t-M4rker-env"
+REDIS_READER_PASSWORD = "S3cr3t M4rker-reader"
+REDIS_WRITER_PASSWORD = "S3cr3t-M4rker-writer"
+EXPORTER_TOKEN = "S3cr3t-M4rker-exporter-token"
+REPLICATION_PASSWORD = "S3cr3t M4rker-cdc"
 
 # Every leaf command: the marker test must know how to run each one.
 COMMANDS = {
@@ -110,7 +116,7 @@ def _assert_clean(text: str, what: str) -> None:
 
 def _settings_yaml(*, database: str, remote: bool = False) -> str:
     kafka, pg, connect = _closed_port(), _closed_port(), _closed_port()
-    redis_a, redis_b = _closed_port(), _closed_port()
+    redis_a, redis_b, redis_c = _closed_port(), _closed_port(), _closed_port()
     host = "cache.example.invalid" if remote else "127.0.0.1"
     return f"""
 kafka: {{bootstrap_servers: "127.0.0.1:{kafka}", client_id: edgefeed}}
@@ -125,6 +131,11 @@ regions:
   - name: us-east
     redis_url: "redis://edge:{quote(REDIS_USER_PASSWORD, safe="")}@127.0.0.1:{redis_b}/0"
     residency_zone: us
+  - name: ap-south
+    redis_url: "redis://127.0.0.1:{redis_c}/0"
+    residency_zone: apac
+    reader: {{username: edgefeed-lookup, password: "{REDIS_READER_PASSWORD}"}}
+    writer: {{username: edgefeed-writer, password_env: EF_TEST_REDIS_WRITER}}
 sources:
   - name: shop
     tables: [{{name: public.users, key: [user_id], home_region_column: home_region,
@@ -164,6 +175,8 @@ def _env(tmp: Path) -> dict[str, str]:
     env.update(
         EF_TEST_PG_PASSWORD=ENV_PASSWORD,
         EF_TEST_PG_PASSWORD_BY_NAME=ENV_PASSWORD,
+        EF_TEST_REDIS_WRITER=REDIS_WRITER_PASSWORD,
+        EF_TEST_EXPORTER_TOKEN=EXPORTER_TOKEN,
         EDGEFEED_STATE_DIR=str(tmp / "state"),
         PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])),
         COLUMNS="200",
@@ -229,7 +242,8 @@ def settings_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     secret_file = tmp / "pg-password"
     secret_file.write_text(PG_PASSWORD + "\n")
     variants = {
-        "inline": f'  password: "{PG_PASSWORD.replace(chr(92), chr(92) * 2)}"',
+        "inline": f'  password: "{PG_PASSWORD.replace(chr(92), chr(92) * 2)}"\n'
+        f'  replication: {{user: edgefeed_cdc, password: "{REPLICATION_PASSWORD}"}}',
         "env": '  password: "${EF_TEST_PG_PASSWORD}"',
         "file": f"  password_file: {secret_file}",
         "env-name": "  password_env: EF_TEST_PG_PASSWORD_BY_NAME",
@@ -268,6 +282,12 @@ def test_no_command_prints_a_secret_against_unreachable_services(
             ("exporter", "--host", "127.0.0.1", "--port", "0"),
             until="serving",
             path="/metrics",
+        ),
+        Case(
+            inline,
+            ("exporter", "--port", "0", "--token-env", "EF_TEST_EXPORTER_TOKEN"),
+            until="serving",
+            path="/metrics",  # answered 401: the body must not echo the token
         ),
         Case(
             inline,
