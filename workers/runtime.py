@@ -213,6 +213,18 @@ class ModelRunner:
             "buckets": list(self.buckets),
         }
 
+    @property
+    def inline_ok(self) -> bool:
+        """True when batches may run on another thread than the one that prepared the
+        model: on the CPU, uncompiled (CUDA graphs belong to the capturing thread)."""
+        return self.device.type == "cpu" and not self.static_shapes
+
+    def apply_threads(self) -> None:
+        """Apply ``cpu_threads`` to the calling thread (OpenMP's thread count is per
+        thread: the event loop's thread runs inline batches)."""
+        if self.device.type == "cpu" and self.config.cpu_threads:
+            torch.set_num_threads(self.config.cpu_threads)
+
     def bucket_for(self, rows: int) -> int:
         """The smallest bucket size holding ``rows`` (rows itself beyond the largest)."""
         for size in self.buckets:
