@@ -92,7 +92,11 @@ async def closed_loop(
     run first and are not measured.
     """
     if warmup_requests:
-        await asyncio.gather(*(make_request(client, -1 - i) for i in range(warmup_requests)))
+        # Not measured: a failed warm-up request (a busy machine's timeout) must not end the run.
+        await asyncio.gather(
+            *(make_request(client, -1 - i) for i in range(warmup_requests)),
+            return_exceptions=True,
+        )
     counter = iter(range(requests))
     latencies: list[LatencyBreakdown] = []
     rows: list[int] = []
