@@ -164,8 +164,12 @@ class DynamicBatcher:
         executor: The one-thread executor batches run on (default: a new one).
             Pass the one the model was prepared and warmed up on: CUDA graphs
             captured by ``torch.compile`` belong to the thread that captured them.
-        inline: Allow batches under ``config.inline_forward_s`` (estimated) to
-            run on the event loop's thread (needs ``estimate``).
+        inline: Allow batches under ``config.inline_forward_s`` to run on the
+            event loop's thread (needs ``estimate``).
+        fastest: Fastest forward time seen for n rows, which decides
+            ``inline`` (default: ``estimate``). An estimate that averages
+            recent batches grows on a contended machine, and would send small
+            batches back to the thread exactly when the hand-off costs most.
     """
 
     def __init__(
@@ -176,12 +180,14 @@ class DynamicBatcher:
         on_batch: Callable[[int, float], None] | None = None,
         executor: ThreadPoolExecutor | None = None,
         inline: bool = False,
+        fastest: Estimate | None = None,
     ) -> None:
         self._execute = execute
         self.config = config
         self._estimated = estimate is not None
         self._inline = inline and estimate is not None and config.inline_forward_s > 0
         self._estimate = estimate or (lambda rows: 0.0)
+        self._fastest = fastest or self._estimate
         self._on_batch = on_batch
         self._queue: collections.deque[_Pending] = collections.deque()
         self._queued_rows = 0
@@ -367,7 +373,7 @@ class DynamicBatcher:
         self._running_until = dispatched + estimate
         inputs = [item.inputs for item in batch]
         try:
-            if self._inline and estimate <= self.config.inline_forward_s:
+            if self._inline and self._fastest(rows) <= self.config.inline_forward_s:
                 outputs, model_s = self._execute(inputs)
             else:
                 outputs, model_s = await loop.run_in_executor(self._executor, self._execute, inputs)

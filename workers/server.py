@@ -363,7 +363,11 @@ class InferenceServer:
             slot.runner = runner
             slot.series = _Series.of(self.metrics, self.config.region, name)
             if runner.inline_ok:
-                runner.apply_threads()  # this (the event loop's) thread runs small batches
+                # This (the event loop's) thread runs only batches under inline_forward_s:
+                # one torch thread, since waking and spinning OpenMP workers for a
+                # sub-millisecond forward pass costs more than it saves (their spinning
+                # takes the core the event loop needs next).
+                runner.apply_threads(1)
             slot.batcher = DynamicBatcher(
                 runner.execute,
                 self.batching,
@@ -371,6 +375,7 @@ class InferenceServer:
                 on_batch,
                 executor=thread,
                 inline=runner.inline_ok,
+                fastest=runner.fastest,
             )
             slot.batcher.start()
             log.info(
