@@ -6,7 +6,8 @@ Endpoints:
     Body in the model's format; optional ``X-Edgefeed-Deadline-Ms`` budget.
     Answers JSON with the latency terms in ``X-Edgefeed-T-*-Ms`` headers and
     ``Server-Timing``. Errors answer ``{"error": {"type", "message", "retryable"}}``
-    with 4xx for bad input, 429/503 plus ``Retry-After`` for backpressure and
+    with 4xx for bad input (401 without the bearer token, when one is configured),
+    429/503 plus ``Retry-After`` for backpressure and
     drain, 504 for a budget that cannot be met, 500 for a failed batch.
 ``GET /v1/models``
     Models, versions, device, precision, batching and counters.
