@@ -315,12 +315,12 @@ class InferenceServer:
             keepalive_timeout=self.config.keepalive_timeout_s,
         )
         await self._runner.setup()
-        gc.callbacks.append(self._on_gc)
         self._site = GuardedTCPSite(
             self._runner, self.config.host, self.config.port, self._guard, ssl_context=self._tls
         )
         await self._site.start()
         self.port = self._site.port
+        gc.callbacks.append(self._on_gc)  # removed by stop()
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
         if wait_ready:
             try:
