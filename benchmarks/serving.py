@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -265,6 +266,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
     args = parser.parse_args()
+    # SIGTERM (a timeout, CI) unwinds like Ctrl-C: workers, redis-server and files go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
         args.requests, args.rounds = 60, 1
     started = time.perf_counter()
