@@ -148,13 +148,16 @@ class Worker:
         if self.process.stderr is None:
             raise RuntimeError("no pipe to the worker")
         lines: list[str] = []
-        for line in self.process.stderr:
-            lines.append(line)
-            if " at http" in line:
-                break
-        else:
+        try:
+            for line in self.process.stderr:
+                lines.append(line)
+                if " at http" in line:
+                    break
+            else:
+                raise RuntimeError(f"{name} worker did not start:\n{''.join(lines)[-3000:]}")
+        except BaseException:  # SIGTERM or Ctrl-C while it starts: stop it too
             self.close()
-            raise RuntimeError(f"{name} worker did not start:\n{''.join(lines)[-3000:]}")
+            raise
         self.url = line.split(" at ", 1)[1].split()[0]
         self._pump = threading.Thread(target=self.process.stderr.read, daemon=True)
         self._pump.start()
