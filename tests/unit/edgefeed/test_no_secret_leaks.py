@@ -2,8 +2,9 @@
 
 Every secret setting (the database password inline, from the environment, from
 a file; the replication role's password; the Redis URLs' passwords; the Redis
-ACL users' passwords; the Connect URL's userinfo; the exporter's bearer token)
-holds a marker.
+ACL users' passwords; the Connect URL's userinfo; the exporter's bearer token;
+the model worker's bearer token, from the environment and from a file) holds
+a marker.
 Every subcommand runs as a real process against services that are not there
 (closed loopback ports), plus the error paths of bad settings files; the marker
 must be in no stdout, stderr or served page. Nothing here needs a running stack.
@@ -45,6 +46,7 @@ REDIS_READER_PASSWORD = "S3cr3t M4rker-reader"
 REDIS_WRITER_PASSWORD = "S3cr3t-M4rker-writer"
 EXPORTER_TOKEN = "S3cr3t-M4rker-exporter-token"
 REPLICATION_PASSWORD = "S3cr3t M4rker-cdc"
+WORKER_TOKEN = "S3cr3t-M4rker-worker-token"  # the model worker's bearer token (env or file)
 
 # Every leaf command: the marker test must know how to run each one.
 COMMANDS = {
@@ -157,13 +159,16 @@ class Case:
     path: str | None = None
     body: bytes | None = None
     in_process: bool = False
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _invoke(case: Case, env: dict[str, str]) -> str:
     """Run ``case`` in this process; its output and any traceback."""
     import traceback
 
-    result = CliRunner().invoke(app, ["--settings", case.settings, *case.args], env=env)
+    result = CliRunner().invoke(
+        app, ["--settings", case.settings, *case.args], env={**env, **dict(case.env)}
+    )
     shown = result.output
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         shown += "".join(traceback.format_exception(result.exception))
@@ -194,7 +199,7 @@ def _run(case: Case, env: dict[str, str], deadline_s: float = 90.0) -> str:
     ]
     with subprocess.Popen(
         argv,
-        env=env,
+        env={**env, **dict(case.env)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -273,6 +278,9 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     )
     state = ("--state-dir", str(tmp_path / "state"))
     bench_url = f"http://127.0.0.1:{_closed_port()}"
+    token_file = tmp_path / "worker-token"
+    token_file.write_text(WORKER_TOKEN + "\n")
+    token_env = (("EDGEFEED_WORKERS_AUTH_TOKEN", WORKER_TOKEN),)
     cases = [
         Case(inline, ("lag", "--samples", "1", "--interval", "0.1")),
         Case(env_file, ("lag", "--json", "--samples", "1", "--interval", "0.1")),
@@ -295,6 +303,55 @@ def test_no_command_prints_a_secret_against_unreachable_services(
             until="serving",
             path="/v1/models/ranker/infer",
             body=b'{"user_id": "u1", "item_ids": ["i1", "i2"]}',
+        ),
+        # The worker's bearer token: a refused request, a token given twice, a bench client.
+        Case(
+            inline,
+            (
+                "workers",
+                "serve",
+                "--model",
+                "image-classifier",
+                "--region",
+                "eu-west",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+            ),
+            until="serving",
+            path="/v1/models/image-classifier/infer",
+            body=b"{}",
+            env=token_env,
+        ),
+        Case(
+            inline,
+            (
+                "workers",
+                "serve",
+                "--model",
+                "image-classifier",
+                "--region",
+                "eu-west",
+                "--auth-token-file",
+                str(token_file),
+            ),
+            env=token_env,
+            in_process=True,
+        ),
+        Case(
+            inline,
+            (
+                "workers",
+                "bench",
+                "--url",
+                bench_url,
+                "--requests",
+                "1",
+                "--auth-token-file",
+                str(token_file),
+            ),
+            in_process=True,
         ),
         Case(inline, ("connectors", "plan")),
         Case(settings_files["file"], ("connectors", "plan", "--json"), in_process=True),
