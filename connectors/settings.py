@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from connectors.secrets import redact_urls
+from edgefeed_base.secrets import PasswordFields
 
 __all__ = [
     "ConnectSettings",
@@ -50,7 +50,7 @@ class ConnectSettings(BaseModel):
         return value.rstrip("/")
 
 
-class ReplicationRoleSettings(BaseModel):
+class ReplicationRoleSettings(PasswordFields):
     """The role Debezium connects as: ``LOGIN REPLICATION``, not a superuser.
 
     ``edgefeed connectors apply`` creates it (or brings it back to these grants)
@@ -65,9 +65,6 @@ class ReplicationRoleSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     user: str = "edgefeed_cdc"
-    password: SecretStr = SecretStr("")
-    password_env: str | None = None
-    password_file: Path | None = None
 
     @field_validator("user")
     @classmethod
@@ -81,32 +78,13 @@ class ReplicationRoleSettings(BaseModel):
 
     @model_validator(mode="after")
     def _one_password_source(self) -> ReplicationRoleSettings:
-        given = [
-            name
-            for name, value in (
-                ("password", self.password.get_secret_value()),
-                ("password_env", self.password_env),
-                ("password_file", self.password_file),
-            )
-            if value
-        ]
+        given = self.password_sources()
         if len(given) != 1:
             raise ValueError(
                 "database.replication needs exactly one of password, password_env, "
                 f"password_file (got {', '.join(given) or 'none'})"
             )
         return self
-
-    def secret(self) -> str:
-        """The password itself ("" when its file or variable is missing)."""
-        if self.password_env:
-            return os.environ.get(self.password_env, "")
-        if self.password_file:
-            try:
-                return self.password_file.read_text(encoding="utf-8").strip()
-            except OSError:
-                return ""
-        return self.password.get_secret_value()
 
     def connect_password_reference(self) -> str:
         """What the connector config holds for the password (a provider reference if any)."""
@@ -117,7 +95,7 @@ class ReplicationRoleSettings(BaseModel):
         return self.password.get_secret_value()
 
 
-class DatabaseSettings(BaseModel):
+class DatabaseSettings(PasswordFields):
     """The PostgreSQL database whose changes Debezium captures.
 
     The password is a secret: it never appears in ``repr``, logs or errors. Give
@@ -139,36 +117,14 @@ class DatabaseSettings(BaseModel):
     port: int = Field(default=5432, ge=1, le=65535)
     dbname: str = "edgefeed"
     user: str = "postgres"
-    password: SecretStr = SecretStr("")
-    password_env: str | None = None
-    password_file: Path | None = None
     replication: ReplicationRoleSettings | None = None
 
     @model_validator(mode="after")
     def _one_password_source(self) -> DatabaseSettings:
-        given = [
-            name
-            for name, value in (
-                ("password", self.password.get_secret_value()),
-                ("password_env", self.password_env),
-                ("password_file", self.password_file),
-            )
-            if value
-        ]
+        given = self.password_sources()
         if len(given) > 1:
             raise ValueError(f"database has {' and '.join(given)}; give the password one way only")
         return self
-
-    def secret(self) -> str:
-        """The password itself, from wherever it is configured ("" for none)."""
-        if self.password_env:
-            return os.environ.get(self.password_env, "")
-        if self.password_file:
-            try:
-                return self.password_file.read_text(encoding="utf-8").strip()
-            except OSError:
-                return ""
-        return self.password.get_secret_value()
 
     def secrets(self) -> list[str]:
         """Every password these settings hold (the database's, the replication role's)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from edgefeed_base.secrets import PasswordFields
 
 __all__ = ["RedisRole", "RedisTLSSettings", "RedisUserSettings", "RegionSettings"]
 
@@ -16,7 +17,7 @@ __all__ = ["RedisRole", "RedisTLSSettings", "RedisUserSettings", "RegionSettings
 RedisRole = Literal["reader", "writer"]
 
 
-class RedisUserSettings(BaseModel):
+class RedisUserSettings(PasswordFields):
     """A Redis ACL user (``AUTH username password``).
 
     The password is a secret (never in ``repr``, logs or errors); give it one
@@ -28,38 +29,16 @@ class RedisUserSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     username: str = Field(min_length=1)
-    password: SecretStr = SecretStr("")
-    password_env: str | None = None
-    password_file: Path | None = None
 
     @model_validator(mode="after")
     def _one_password_source(self) -> RedisUserSettings:
-        given = [
-            name
-            for name, value in (
-                ("password", self.password.get_secret_value()),
-                ("password_env", self.password_env),
-                ("password_file", self.password_file),
-            )
-            if value
-        ]
+        given = self.password_sources()
         if len(given) != 1:
             raise ValueError(
                 f"Redis user {self.username!r} needs exactly one of password, password_env, "
                 f"password_file (got {', '.join(given) or 'none'})"
             )
         return self
-
-    def secret(self) -> str:
-        """The password itself, from wherever it is configured ("" when unreadable)."""
-        if self.password_env:
-            return os.environ.get(self.password_env, "")
-        if self.password_file:
-            try:
-                return self.password_file.read_text(encoding="utf-8").strip()
-            except OSError:
-                return ""
-        return self.password.get_secret_value()
 
 
 class RedisTLSSettings(BaseModel):

@@ -22,7 +22,6 @@ Features are declared per entity type in edgefeed.yaml::
 
 from __future__ import annotations
 
-import os
 import re
 import ssl
 from pathlib import Path
@@ -32,11 +31,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SecretStr,
     field_validator,
     model_validator,
 )
 
+from edgefeed_base.secrets import PasswordFields
 from pipeline.aggregates import Aggregate, FeatureDtype, aggregate_kind
 from pipeline.names import PipelineNames
 
@@ -331,7 +330,7 @@ KafkaProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 
-class KafkaSecuritySettings(BaseModel):
+class KafkaSecuritySettings(PasswordFields):
     """How every Kafka client of edgefeed authenticates and encrypts.
 
     The same settings reach the Faust apps (router, regional workers), the
@@ -355,9 +354,6 @@ class KafkaSecuritySettings(BaseModel):
     protocol: KafkaProtocol = "PLAINTEXT"
     sasl_mechanism: SaslMechanism | None = None
     username: str | None = None
-    password: SecretStr = SecretStr("")
-    password_env: str | None = None
-    password_file: Path | None = None
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
@@ -367,15 +363,7 @@ class KafkaSecuritySettings(BaseModel):
     def _consistent(self) -> KafkaSecuritySettings:
         sasl = self.protocol.startswith("SASL")
         tls = self.protocol.endswith("SSL")
-        given = [
-            name
-            for name, value in (
-                ("password", self.password.get_secret_value()),
-                ("password_env", self.password_env),
-                ("password_file", self.password_file),
-            )
-            if value
-        ]
+        given = self.password_sources()
         if sasl and (self.sasl_mechanism is None or not self.username or len(given) != 1):
             raise ValueError(
                 f"kafka.security.protocol {self.protocol} needs sasl_mechanism, username and "
@@ -393,17 +381,6 @@ class KafkaSecuritySettings(BaseModel):
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("kafka.security needs both cert_file and key_file (or neither)")
         return self
-
-    def secret(self) -> str:
-        """The SASL password ("" for none or when unreadable)."""
-        if self.password_env:
-            return os.environ.get(self.password_env, "")
-        if self.password_file:
-            try:
-                return self.password_file.read_text(encoding="utf-8").strip()
-            except OSError:
-                return ""
-        return self.password.get_secret_value()
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The client TLS context (None without TLS)."""
