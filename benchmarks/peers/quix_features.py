@@ -190,7 +190,7 @@ class RedisVectors(BatchingSink):
                 "user",
                 user,
                 vector["features"],
-                Position(vector["lsn"], 0),
+                Position(vector["lsn"], vector["seq"]),
                 vector["commit_ms"] / 1000.0,
             )
             for user, vector in newest.items()
@@ -301,7 +301,7 @@ def build(args: argparse.Namespace) -> Application:
 
     def merge(value: dict[str, Any], key: Any, timestamp: int, headers: Any, state: State) -> Any:
         """Fold one branch's result into the user's vector (kept in Quix state)."""
-        vector = state.get("v") or {"features": dict(empty), "lsn": 0, "commit_ms": 0}
+        vector = state.get("v") or {"features": dict(empty), "lsn": 0, "seq": 0, "commit_ms": 0}
         features = vector["features"]
         for name, result in value.items():
             if name in ("start", "end", "user_id", "lsn", "commit_ms"):
@@ -311,7 +311,13 @@ def build(args: argparse.Namespace) -> Application:
                     features[f"{name}.{rank}"] = result[rank - 1] if rank <= len(result) else None
             else:
                 features[name] = result
-        vector["lsn"] = max(vector["lsn"], value["lsn"])
+        # The sink writes each source topic's batch on its own, in no set order, and
+        # the cache keeps the vector of the highest position: a vector computed later
+        # must carry a higher one, so ties on the LSN go to the order of computing.
+        if value["lsn"] > vector["lsn"]:
+            vector["lsn"], vector["seq"] = value["lsn"], 0
+        else:
+            vector["seq"] = vector.get("seq", 0) + 1
         vector["commit_ms"] = max(vector["commit_ms"], value["commit_ms"])
         state.set("v", vector)
         user = key.decode() if isinstance(key, bytes) else str(key)
