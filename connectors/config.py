@@ -6,6 +6,8 @@ explained in docs/connectors.md.
 
 from __future__ import annotations
 
+import re
+
 from connectors.settings import DatabaseSettings, SourceSettings
 
 __all__ = [
@@ -13,11 +15,45 @@ __all__ = [
     "HEARTBEAT_TABLE",
     "heartbeat_query",
     "render_connector_config",
+    "worker_provider_properties",
 ]
 
 CONNECTOR_CLASS = "io.debezium.connector.postgresql.PostgresConnector"
 HEARTBEAT_TABLE = "public.edgefeed_heartbeat"
 JSON_CONVERTER = "org.apache.kafka.connect.json.JsonConverter"
+
+
+_PROVIDERS = "org.apache.kafka.common.config.provider"
+
+
+def worker_provider_properties(database: DatabaseSettings) -> dict[str, str]:
+    """The Connect worker properties for config providers: only what the connector needs.
+
+    The EnvVarConfigProvider may read only the variables the settings name
+    (``allowlist.pattern``), the DirectoryConfigProvider only the folders of
+    the password files (``allowed.paths``); a provider the settings do not use
+    is not configured, and no FileConfigProvider at all. Without these limits
+    anyone who may create a connector can read any variable or file of the
+    worker through ``${env:..}`` or ``${file:..}`` in a config. Connectors may
+    not override their clients' configs either (they could configure providers
+    there).
+    """
+    env, folders = database.provider_references()
+    props = {"connector.client.config.override.policy": "None"}
+    names: list[str] = []
+    if env:
+        names.append("env")
+        props["config.providers.env.class"] = f"{_PROVIDERS}.EnvVarConfigProvider"
+        pattern = "|".join(re.escape(name) for name in sorted(set(env)))
+        props["config.providers.env.param.allowlist.pattern"] = f"^({pattern})$"
+    if folders:
+        names.append("dir")
+        props["config.providers.dir.class"] = f"{_PROVIDERS}.DirectoryConfigProvider"
+        allowed = ",".join(sorted({str(folder) for folder in folders}))
+        props["config.providers.dir.param.allowed.paths"] = allowed
+    if names:
+        props["config.providers"] = ",".join(names)
+    return props
 
 
 def heartbeat_query(source: SourceSettings) -> str:
@@ -74,5 +110,11 @@ def render_connector_config(database: DatabaseSettings, source: SourceSettings) 
         config["column.exclude.list"] = ",".join(excluded)
     if snapshot_tables != tables:
         config["snapshot.include.collection.list"] = ",".join(snapshot_tables) or HEARTBEAT_TABLE
+    if database.replication is not None:
+        # Debezium connects as the replication role; the publication is created
+        # by ``edgefeed connectors apply`` as the admin user (the role owns no table).
+        config["database.user"] = database.replication.user
+        config["database.password"] = database.replication.connect_password_reference()
+        config["publication.autocreate.mode"] = "disabled"
     config.update(source.extra)
     return config

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +17,17 @@ from connectors.exceptions import SourceValidationError
 from connectors.secrets import redact
 from connectors.settings import DatabaseSettings, SourceSettings, TableSettings
 
-__all__ = ["check_sources", "prepare_database", "read_rows", "table_columns"]
+__all__ = [
+    "check_sources",
+    "prepare_database",
+    "prepare_replication_role",
+    "read_rows",
+    "scram_verifier",
+    "table_columns",
+]
+
+
+_HEARTBEAT_DDL = "CREATE TABLE IF NOT EXISTS {} (source text PRIMARY KEY, ts timestamptz NOT NULL)"
 
 
 def _connect(database: DatabaseSettings) -> psycopg.Connection[tuple[object, ...]]:
@@ -76,11 +90,7 @@ def prepare_database(database: DatabaseSettings, sources: Sequence[SourceSetting
     """Create the heartbeat table and set REPLICA IDENTITY FULL where declared (idempotent)."""
     schema, table = HEARTBEAT_TABLE.split(".")
     with _connect(database) as conn:
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (source text PRIMARY KEY, ts timestamptz NOT NULL)"
-            ).format(sql.Identifier(schema, table))
-        )
+        conn.execute(sql.SQL(_HEARTBEAT_DDL).format(sql.Identifier(schema, table)))
         for source in sources:
             for declared in source.tables:
                 if declared.replica_identity != "full":
@@ -96,6 +106,102 @@ def prepare_database(database: DatabaseSettings, sources: Sequence[SourceSetting
                             sql.Identifier(declared.schema_name, declared.table_name)
                         )
                     )
+
+
+def scram_verifier(password: str, *, iterations: int = 4096, salt: bytes | None = None) -> str:
+    """PostgreSQL's SCRAM-SHA-256 verifier of ``password`` (RFC 5802, 7677).
+
+    ``ALTER ROLE ... PASSWORD '<verifier>'`` stores it as is, so the password
+    itself never reaches the server, its logs or ``pg_stat_activity``.
+    """
+    salt = salt if salt is not None else os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), salt, iterations)
+    client_key = hmac.digest(salted, b"Client Key", "sha256")
+    stored_key = hashlib.sha256(client_key).digest()
+    server_key = hmac.digest(salted, b"Server Key", "sha256")
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode("ascii")
+
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
+
+
+def prepare_replication_role(database: DatabaseSettings, sources: Sequence[SourceSettings]) -> None:
+    """Create (or reset) the replication role, its grants and each source's publication.
+
+    Runs as the database settings' user, which must be able to create roles and
+    publications (a superuser, or a role with CREATEROLE owning the tables).
+    Idempotent; a no-op without ``database.replication``.
+
+    Raises:
+        SourceValidationError: the database cannot be reached, or refused a statement.
+    """
+    role = database.replication
+    if role is None:
+        return
+    password = role.secret()
+    if not password:
+        raise SourceValidationError(
+            f"the password of replication user {role.user!r} is empty or unreadable; "
+            "check database.replication's password, password_env or password_file"
+        )
+    name = sql.Identifier(role.user)
+    verifier = sql.Literal(scram_verifier(password))
+    attributes = sql.SQL("LOGIN REPLICATION NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS")
+    heartbeat = sql.Identifier(*HEARTBEAT_TABLE.split("."))
+    with _connect(database) as conn:
+        try:
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role.user,))
+            verb = sql.SQL("ALTER ROLE") if exists.fetchone() else sql.SQL("CREATE ROLE")
+            conn.execute(
+                sql.SQL("{} {} WITH {} PASSWORD {}").format(verb, name, attributes, verifier)
+            )
+            conn.execute(
+                sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
+                    sql.Identifier(database.dbname), name
+                )
+            )
+            conn.execute(sql.SQL(_HEARTBEAT_DDL).format(heartbeat))
+            tables = [t for source in sources for t in source.tables]
+            schemas = {t.schema_name for t in tables} | {HEARTBEAT_TABLE.split(".")[0]}
+            for schema in sorted(schemas):
+                conn.execute(
+                    sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(schema), name)
+                )
+            for table in tables:
+                conn.execute(
+                    sql.SQL("GRANT SELECT ON {} TO {}").format(
+                        sql.Identifier(table.schema_name, table.table_name), name
+                    )
+                )
+            # The heartbeat query (connectors.config.heartbeat_query) upserts one row.
+            conn.execute(
+                sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(heartbeat, name)
+            )
+            for source in sources:
+                listed = sql.SQL(", ").join(
+                    [
+                        *(sql.Identifier(t.schema_name, t.table_name) for t in source.tables),
+                        heartbeat,
+                    ]
+                )
+                publication = sql.Identifier(source.effective_publication)
+                found = conn.execute(
+                    "SELECT 1 FROM pg_publication WHERE pubname = %s",
+                    (source.effective_publication,),
+                ).fetchone()
+                statement = (
+                    "ALTER PUBLICATION {} SET TABLE {}"
+                    if found
+                    else ("CREATE PUBLICATION {} FOR TABLE {}")
+                )
+                conn.execute(sql.SQL(statement).format(publication, listed))
+        except psycopg.Error as exc:
+            reason = redact(str(exc).strip(), database.secrets())
+            raise SourceValidationError(
+                f"cannot prepare replication user {role.user!r} as {database.user!r}: {reason}; "
+                "the database user must be able to create roles and publications"
+            ) from None
 
 
 def table_columns(database: DatabaseSettings, tables: Sequence[str]) -> dict[str, set[str]]:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from connectors.client import ConnectClient, ConnectorStatus
 from connectors.config import CONNECTOR_CLASS, render_connector_config
-from connectors.database import check_sources, prepare_database
+from connectors.database import check_sources, prepare_database, prepare_replication_role
 from connectors.exceptions import (
     ConnectorFailedError,
     ConnectorInvalidError,
@@ -119,6 +119,10 @@ def apply(
         for change in changes
         if change.action in ("create", "update") and change.desired is not None
     ]
+    if database.replication is not None and pending:
+        # Connect's validation logs in as the replication role: it must exist first.
+        check_sources(database, sources)
+        prepare_replication_role(database, sources)
     errors: dict[str, dict[str, list[str]]] = {}
     for change, desired in pending:
         found = client.validate(CONNECTOR_CLASS, {**desired, "name": change.name})

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from connectors.secrets import redact_urls
+from edgefeed_base.secrets import PasswordFields
 
 __all__ = [
     "ConnectSettings",
     "DatabaseSettings",
+    "ReplicationRoleSettings",
     "SnapshotMode",
     "SourceSettings",
     "TableSettings",
@@ -49,7 +50,52 @@ class ConnectSettings(BaseModel):
         return value.rstrip("/")
 
 
-class DatabaseSettings(BaseModel):
+class ReplicationRoleSettings(PasswordFields):
+    """The role Debezium connects as: ``LOGIN REPLICATION``, not a superuser.
+
+    ``edgefeed connectors apply`` creates it (or brings it back to these grants)
+    as the database settings' user: SELECT on the captured tables, SELECT,
+    INSERT, UPDATE on the heartbeat table, CONNECT and schema USAGE; apply
+    creates the publication itself, so the role owns nothing. The password is
+    given one way, as for the database: ``password``, ``password_env`` (the
+    connector config holds ``${env:NAME}``) or ``password_file``
+    (``${dir:DIR:FILE}``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user: str = "edgefeed_cdc"
+
+    @field_validator("user")
+    @classmethod
+    def _role_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", value):
+            raise ValueError(
+                f"replication user {value!r} must be lowercase letters, digits and '_' "
+                "(a PostgreSQL role name that needs no quoting)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> ReplicationRoleSettings:
+        given = self.password_sources()
+        if len(given) != 1:
+            raise ValueError(
+                "database.replication needs exactly one of password, password_env, "
+                f"password_file (got {', '.join(given) or 'none'})"
+            )
+        return self
+
+    def connect_password_reference(self) -> str:
+        """What the connector config holds for the password (a provider reference if any)."""
+        if self.password_env:
+            return f"${{env:{self.password_env}}}"
+        if self.password_file:
+            return f"${{dir:{self.password_file.parent}:{self.password_file.name}}}"
+        return self.password.get_secret_value()
+
+
+class DatabaseSettings(PasswordFields):
     """The PostgreSQL database whose changes Debezium captures.
 
     The password is a secret: it never appears in ``repr``, logs or errors. Give
@@ -71,35 +117,35 @@ class DatabaseSettings(BaseModel):
     port: int = Field(default=5432, ge=1, le=65535)
     dbname: str = "edgefeed"
     user: str = "postgres"
-    password: SecretStr = SecretStr("")
-    password_env: str | None = None
-    password_file: Path | None = None
+    replication: ReplicationRoleSettings | None = None
 
     @model_validator(mode="after")
     def _one_password_source(self) -> DatabaseSettings:
-        given = [
-            name
-            for name, value in (
-                ("password", self.password.get_secret_value()),
-                ("password_env", self.password_env),
-                ("password_file", self.password_file),
-            )
-            if value
-        ]
+        given = self.password_sources()
         if len(given) > 1:
             raise ValueError(f"database has {' and '.join(given)}; give the password one way only")
         return self
 
-    def secret(self) -> str:
-        """The password itself, from wherever it is configured ("" for none)."""
-        if self.password_env:
-            return os.environ.get(self.password_env, "")
-        if self.password_file:
-            try:
-                return self.password_file.read_text(encoding="utf-8").strip()
-            except OSError:
-                return ""
-        return self.password.get_secret_value()
+    def secrets(self) -> list[str]:
+        """Every password these settings hold (the database's, the replication role's)."""
+        found = [self.secret()]
+        if self.replication is not None:
+            found.append(self.replication.secret())
+        return [s for s in found if s]
+
+    def provider_references(self) -> tuple[list[str], list[Path]]:
+        """The environment variables and folders the connector config reads through
+        Connect's config providers: what a Connect worker must allow, and no more."""
+        env: list[str] = []
+        folders: list[Path] = []
+        for source in (self, self.replication):
+            if source is None:
+                continue
+            if source.password_env:
+                env.append(source.password_env)
+            if source.password_file:
+                folders.append(source.password_file.parent)
+        return env, folders
 
     def connect_password_reference(self) -> str:
         """What the connector config holds for the password (a provider reference if any)."""

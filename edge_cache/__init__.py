@@ -22,7 +22,7 @@ from edge_cache.layout import FreshnessRecord, KeyLayout, Position
 from edge_cache.nearcache import NearCacheConfig
 from edge_cache.result import FeatureVectors
 from edge_cache.schema import Dtype, Feature, FeatureSchema
-from edge_cache.settings import RegionSettings
+from edge_cache.settings import RedisTLSSettings, RedisUserSettings, RegionSettings
 from edge_cache.writer import AsyncFeatureWriter, Delete, FeatureWriter, Upsert, WriteOp
 
 __all__ = [
@@ -47,6 +47,8 @@ __all__ = [
     "NearCacheConfig",
     "PoolExhaustedError",
     "Position",
+    "RedisTLSSettings",
+    "RedisUserSettings",
     "RegionSettings",
     "RegionUnavailableError",
     "SchemaError",

@@ -218,9 +218,9 @@ async def _amget(
         await pool.release(connection)
 
 
-def _cluster_primaries(url: str, timeout_s: float) -> list[str]:
+def _cluster_primaries(url: str, timeout_s: float, auth: dict[str, Any]) -> list[str]:
     """URLs (same scheme, credentials and database as ``url``) of the cluster's primaries."""
-    options = _pool_options(timeout_s)
+    options = {**_pool_options(timeout_s), **auth}
     with redis.Redis.from_url(url, **options) as probe:  # see FeatureClient._client
         probe.ping()
     cluster = redis.RedisCluster.from_url(url, **options)
@@ -316,7 +316,11 @@ class _Base(ABC):
             if self.core.home.cluster:
                 self.listeners = self._cluster_listeners(self.near)
             else:
-                self.listener = InvalidationListener(self.core.home.redis_url, self.near)
+                self.listener = InvalidationListener(
+                    self.core.home.redis_url,
+                    self.near,
+                    redis_options=self.core.home.redis_options("reader"),
+                )
                 self.listeners = [self.listener]
         self._connect_regions()
         self._start_listeners()
@@ -337,7 +341,9 @@ class _Base(ABC):
         every write under the entity prefixes on its node, so reads need no hook."""
         url = self.core.home.redis_url
         try:
-            primaries = _cluster_primaries(url, self.timeout_s)
+            primaries = _cluster_primaries(
+                url, self.timeout_s, self.core.home.redis_options("reader")
+            )
         except _FAILURES as exc:
             log.warning(
                 "near cache of %s stays off: cannot list the cluster's primaries (%s)",
@@ -349,7 +355,11 @@ class _Base(ABC):
         group = ListenerGroup(near, len(primaries))
         return [
             InvalidationListener(
-                node_url, near, bcast_prefixes=prefixes, on_state=group.on_state(index)
+                node_url,
+                near,
+                bcast_prefixes=prefixes,
+                on_state=group.on_state(index),
+                redis_options=self.core.home.redis_options("reader"),
             )
             for index, node_url in enumerate(primaries)
         ]
@@ -387,7 +397,10 @@ class FeatureClient(_Base):
         self.clients: dict[str, redis.Redis | redis.RedisCluster] = {}
         for name in self.breakers:
             settings = self.core.regions[name]
-            options = _pool_options(self.timeout_s, settings.redis_url)
+            options = {
+                **_pool_options(self.timeout_s, settings.redis_url),
+                **settings.redis_options("reader"),
+            }
             if settings.cluster:
                 continue  # a cluster client connects when built: see _client
             if name == self.region and self.listener is not None:
@@ -452,12 +465,16 @@ class FeatureClient(_Base):
             # A cluster client discovers the slots when built: build it on first use, so
             # an unreachable fallback cluster is a failed read, not a failed constructor.
             url = self.core.regions[name].redis_url
+            options = {
+                **_pool_options(self.timeout_s, url),
+                **self.core.regions[name].redis_options("reader"),
+            }
             # Probe the seed node first: a RedisCluster whose discovery fails leaks its
             # socket, and most failures (node down or hanging) show up right here.
-            with redis.Redis.from_url(url, **_pool_options(self.timeout_s, url)) as probe:
+            with redis.Redis.from_url(url, **options) as probe:
                 probe.ping()
             try:
-                client = redis.RedisCluster.from_url(url, **_pool_options(self.timeout_s, url))
+                client = redis.RedisCluster.from_url(url, **options)
             except RedisClusterException as exc:
                 raise RedisConnectionError(f"cluster of region {name!r}: {exc}") from exc
             self.clients[name] = client
@@ -489,7 +506,7 @@ class AsyncFeatureClient(_Base):
         self.gates = {name: asyncio.Semaphore(self.max_connections) for name in self.breakers}
         for name in self.breakers:
             settings = self.core.regions[name]
-            options = _pool_options(self.timeout_s)
+            options = {**_pool_options(self.timeout_s), **settings.redis_options("reader")}
             if settings.cluster:
                 self.clients[name] = aioredis.RedisCluster.from_url(settings.redis_url, **options)
             else:

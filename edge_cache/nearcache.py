@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,7 @@ class InvalidationListener:
             by default the cache is switched on and off directly.
         reconnect_s: Pause between reconnection attempts.
         connect_timeout_s: Timeout of connecting and of the handshake.
+        redis_options: More redis-py options (the reader's ACL user, TLS).
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class InvalidationListener:
         on_state: Callable[[bool], None] | None = None,
         reconnect_s: float = 0.5,
         connect_timeout_s: float = 1.0,
+        redis_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._bcast = tuple(bcast_prefixes)
         self._on_state = on_state or cache.set_active
@@ -189,6 +191,7 @@ class InvalidationListener:
             protocol=3,
             socket_connect_timeout=connect_timeout_s,
             socket_timeout=connect_timeout_s,
+            **(redis_options or {}),
         )
         self.cache = cache
         self.client_id: int | None = None

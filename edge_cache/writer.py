@@ -272,10 +272,12 @@ class FeatureWriter:
         """A writer for the region's cache, built from its settings."""
         if region.cluster:
             client: redis.Redis | redis.RedisCluster = redis.RedisCluster.from_url(
-                region.redis_url, **_client_options(timeout_s)
+                region.redis_url, **_client_options(timeout_s), **region.redis_options("writer")
             )
         else:
-            client = redis.Redis.from_url(region.redis_url, **_client_options(timeout_s))
+            client = redis.Redis.from_url(
+                region.redis_url, **_client_options(timeout_s), **region.redis_options("writer")
+            )
         return cls(client, schemas, **options)
 
     def publish_schemas(self) -> None:
@@ -380,10 +382,12 @@ class AsyncFeatureWriter:
         """A writer for the region's cache, built from its settings."""
         if region.cluster:
             client: aioredis.Redis | aioredis.RedisCluster = aioredis.RedisCluster.from_url(
-                region.redis_url, **_client_options(timeout_s)
+                region.redis_url, **_client_options(timeout_s), **region.redis_options("writer")
             )
         else:
-            client = aioredis.Redis.from_url(region.redis_url, **_client_options(timeout_s))
+            client = aioredis.Redis.from_url(
+                region.redis_url, **_client_options(timeout_s), **region.redis_options("writer")
+            )
         return cls(client, schemas, **options)
 
     async def publish_schemas(self) -> None:

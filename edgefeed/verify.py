@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from connectors.database import read_rows
-from edge_cache import FeatureClient, KeyLayout
+from edge_cache import FeatureClient, KeyLayout, RegionSettings
 from edgefeed.lookup import feature_schemas
 from edgefeed.settings import EdgefeedSettings
 from pipeline.recompute import Mismatch, compare, expected_vectors
@@ -49,10 +49,13 @@ class VerifyReport:
         }
 
 
-def _cached_ids(region_url: str, cluster: bool, entity: str) -> set[str]:
+def _cached_ids(region: RegionSettings, entity: str) -> set[str]:
     prefix = KeyLayout().prefix(entity)
+    options = region.redis_options("reader")
     client: Any = (
-        redis.RedisCluster.from_url(region_url) if cluster else redis.Redis.from_url(region_url)
+        redis.RedisCluster.from_url(region.redis_url, **options)
+        if region.cluster
+        else redis.Redis.from_url(region.redis_url, **options)
     )
     try:
         return {
@@ -86,7 +89,7 @@ def verify(settings: EdgefeedSettings, regions: Sequence[str] | None = None) -> 
             for entity in settings.entities:
                 ids = sorted(
                     set(expected[name].vectors.get(entity.name, {}))
-                    | _cached_ids(region.redis_url, region.cluster, entity.name)
+                    | _cached_ids(region, entity.name)
                 )
                 found[entity.name] = {}
                 for start in range(0, len(ids), 500):

@@ -3,6 +3,7 @@ cache freshness, CDC slot and connector health, and a Prometheus exporter."""
 
 from __future__ import annotations
 
+from monitoring.endpoint import EndpointSecurity
 from monitoring.exceptions import MonitoringConfigError, MonitoringError, SourceUnavailableError
 from monitoring.exporter import METRIC_NAMES, ReportCollector, make_registry, serve
 from monitoring.model import (
@@ -33,6 +34,7 @@ __all__ = [
     "METRIC_NAMES",
     "ROUTER_GROUP",
     "ConnectorReport",
+    "EndpointSecurity",
     "EntityFreshness",
     "GroupReport",
     "KafkaReport",

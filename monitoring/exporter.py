@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from monitoring.endpoint import EndpointSecurity, is_loopback, start_endpoint
 from monitoring.exceptions import MonitoringConfigError
 from monitoring.model import Report
 from monitoring.monitor import Monitor
@@ -355,39 +356,47 @@ def make_registry(collector: ReportCollector) -> CollectorRegistry:
 async def serve(
     monitor: Monitor,
     *,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = 9308,
     interval_s: float = 15.0,
+    security: EndpointSecurity | None = None,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
 ) -> None:
     """Serve ``/metrics`` and refresh the report every ``interval_s`` until ``stop`` is set.
 
     Args:
+        host: Address to listen on; loopback by default (the metrics name
+            topics, groups, regions and connectors).
         port: TCP port (0: any free one).
+        security: Bearer token and TLS; None serves plain HTTP to anyone who
+            can reach ``host``.
         stop: Set it to stop serving.
         on_ready: Called with the bound port once the first report is in and
             the endpoint answers.
 
     Raises:
-        MonitoringConfigError: bad interval or port, or the port is taken.
+        MonitoringConfigError: bad interval or port, the port is taken, bad TLS files.
     """
-    from prometheus_client import start_http_server
-
     if interval_s <= 0:
         raise MonitoringConfigError(f"interval {interval_s}s must be positive")
     if not 0 <= port <= 65535:
         raise MonitoringConfigError(f"port {port} must be in 0..65535")
+    security = security or EndpointSecurity()
+    security.ssl_context()  # bad TLS files fail before the first (slow) collection
+    if not is_loopback(host) and security.token is None:
+        log.warning(
+            "the exporter listens on %s without a bearer token: anyone who can reach it "
+            "can read the metrics (give --token-file, or bind 127.0.0.1 behind a proxy)",
+            host,
+        )
     config = monitor.config
     collector = ReportCollector(config.freshness_budget_s, config.slot_wal_bound_bytes)
     started = time.monotonic()
     collector.update(await monitor.collect(), time.monotonic() - started)
-    try:
-        server, thread = start_http_server(port, addr=host, registry=make_registry(collector))
-    except OSError as exc:
-        raise MonitoringConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port"
-        ) from None
+    server, thread = start_endpoint(
+        make_registry(collector), host=host, port=port, security=security
+    )
     if on_ready is not None:
         on_ready(int(server.server_address[1]))
     stop = stop or asyncio.Event()

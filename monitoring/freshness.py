@@ -13,7 +13,9 @@ layout; this module parses nothing):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from monitoring.exceptions import SourceUnavailableError
 
@@ -40,7 +42,12 @@ class RegionTimes:
 
 
 async def read_region(
-    region: str, redis_url: str, *, sample_size: int = 20, timeout_s: float = 5.0
+    region: str,
+    redis_url: str,
+    *,
+    sample_size: int = 20,
+    timeout_s: float = 5.0,
+    redis_options: Mapping[str, Any] | None = None,
 ) -> RegionTimes:
     """Read the freshness records and a sample of vectors of one region.
 
@@ -53,7 +60,10 @@ async def read_region(
     from edge_cache.freshness import read_freshness
 
     client = aioredis.Redis.from_url(
-        redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        redis_url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        **(redis_options or {}),
     )
     try:
         snapshot = await read_freshness(client, sample_size=sample_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ async def read_kafka(
     client_id: str = "edgefeed-monitor",
     request_timeout_ms: int = 10_000,
     fetch_deadline_s: float = 3.0,
+    client_options: Mapping[str, Any] | None = None,
 ) -> KafkaSnapshot:
     """Read offsets and next-record timestamps of the groups ``select_group`` accepts.
 
@@ -79,7 +80,10 @@ async def read_kafka(
 
     servers = ",".join(bootstrap_servers)
     admin = AIOKafkaAdminClient(
-        bootstrap_servers=servers, client_id=client_id, request_timeout_ms=request_timeout_ms
+        bootstrap_servers=servers,
+        client_id=client_id,
+        request_timeout_ms=request_timeout_ms,
+        **(client_options or {}),
     )
     consumer = AIOKafkaConsumer(
         bootstrap_servers=servers,
@@ -90,6 +94,7 @@ async def read_kafka(
         fetch_max_wait_ms=50,
         max_partition_fetch_bytes=64 * 1024,
         request_timeout_ms=request_timeout_ms,
+        **(client_options or {}),
     )
     try:
         await admin.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -67,6 +67,8 @@ def region_group(region: str) -> str:
 class RegionTarget:
     name: str
     redis_url: str = field(repr=False)  # may hold a password
+    #: More redis-py options: the reader's ACL user and TLS (holds a password).
+    redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +102,14 @@ class MonitorConfig:
         slot_wal_bound_bytes: Retained WAL past this is an error.
         sample_size: Vectors sampled per region.
         secrets: Values never shown (the database password).
+        kafka_options: More aiokafka options: SASL and TLS (holds a password).
     """
 
     bootstrap_servers: tuple[str, ...]
     regions: tuple[RegionTarget, ...] = ()
     sources: tuple[SourceTarget, ...] = ()
     database_dsn: str | None = field(default=None, repr=False)
+    kafka_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     connect_url: str | None = field(default=None, repr=False)
     groups: tuple[str, ...] = ()
     names: PipelineNames = _DEFAULT_NAMES
@@ -171,10 +175,15 @@ class Monitor:
             select_group=config.selects,
             client_id=config.client_id,
             request_timeout_ms=int(config.timeout_s * 1000),
+            client_options=config.kafka_options,
         )
         region_tasks = [
             read_region(
-                r.name, r.redis_url, sample_size=config.sample_size, timeout_s=config.timeout_s
+                r.name,
+                r.redis_url,
+                sample_size=config.sample_size,
+                timeout_s=config.timeout_s,
+                redis_options=r.redis_options,
             )
             for r in config.regions
         ]

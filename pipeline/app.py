@@ -11,6 +11,7 @@ reaches into Faust's internals is in pipeline.faustcompat.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from pipeline.config import PipelineConfig
 from pipeline.envelope import Change, decode_change
 from pipeline.exceptions import PoisonEventError, SinkUnavailableError
 from pipeline.faustcompat import (
+    FetchWait,
     PartitionWriter,
     patch_fetch_wait,
     relieve_producer,
@@ -40,7 +42,7 @@ from pipeline.messages import encode_packs
 from pipeline.metrics import PipelineMetrics
 from pipeline.names import STATE_TABLE
 from pipeline.routing import Router
-from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime
+from pipeline.runtime import BatchPolicy, Delivery, QuietBatches, RegionRuntime
 from pipeline.statestore import checkpoint_key, rebuild_states, store_state
 
 __all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
@@ -70,14 +72,20 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
         "stream_wait_empty": False,
         "producer_linger": kafka.linger_ms / 1000.0,
     }
+    credentials = kafka.security.faust_credentials()
+    if credentials is not None:
+        options["broker_credentials"] = credentials
     options.update(overrides)
     options.update(config.extra_faust)
     app = faust.App(app_id, **options)
     tuner = GcTuner(full_every_s=pipeline.gc_full_interval_s)
+    fetch_wait = FetchWait(app, kafka.fetch_max_wait_ms, kafka.idle_fetch_max_wait_ms)
+    app.edgefeed_fetch_wait = fetch_wait  # type: ignore[attr-defined]  # the agents report traffic
 
     @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
-    async def tune_gc() -> None:
+    async def housekeeping() -> None:
         tuner.tick()
+        fetch_wait.tick()
 
     return app
 
@@ -119,6 +127,7 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
     names = config.names
     app_id = names.router_group
     app = faust_app(app_id, config)
+    fetch_wait: FetchWait = app.edgefeed_fetch_wait  # type: ignore[attr-defined]
     measured = _metrics(metrics)
     router = Router(config.entities, config.tables, config.region_names)
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
@@ -150,74 +159,101 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
         # owns whole entities.
         return int(partitioner(key.encode(), all_partitions, all_partitions))
 
+    async def route_batch(events: list[Any]) -> None:
+        """Route one batch of source events, then ack them (after their sends)."""
+        batch_sizes.observe(len(events))
+        # (region, partition) -> the encoded changes bound there, in source order.
+        packs: dict[tuple[str, int], list[bytes]] = {}
+        for event in events:
+            msg = event.message
+            change = None
+            try:
+                change = decode_change(event.value or b"", offset=msg.offset)
+                if change is None:
+                    tombstones.inc()
+                    continue
+                # Encoded before anything is queued: a change that cannot be
+                # encoded is dead-lettered whole, never half-routed.
+                bound = [(m, m.change.encode()) for m in router.route(change)]
+            except Exception as exc:
+                # PoisonEventError for bad events; anything else is a bug met by
+                # this event, which goes to the dead letters instead of crashing
+                # the agent (Faust would restart it and ack the batch, losing it).
+                if not isinstance(exc, PoisonEventError):
+                    log.exception("router failed on %s@%s", msg.partition, msg.offset)
+                    exc = PoisonEventError("router-error", f"{type(exc).__name__}: {exc}")
+                measured.dead_letters.labels(app_id, exc.reason).inc()
+                log.warning("dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc)
+                headers = _dead_letter_headers(
+                    exc.reason, str(exc), "router", str(msg.topic), msg.partition, msg.offset
+                )
+                column = home_columns.get(str(msg.topic))
+                if column is None:  # shared data: the central dead letters
+                    await dead.send(key=event.key, value=event.value, headers=headers)
+                    continue
+                home = _home_of(change, column)
+                if home in regional_dead:  # personal data stays in its region
+                    await regional_dead[home].send(
+                        key=event.key, value=event.value, headers=headers
+                    )
+                    continue
+                # Personal data of no known region: a pointer to the source
+                # record, never the row itself (nor an error text quoting it).
+                headers["edgefeed-withheld"] = b"personal row of an unknown region"
+                headers["edgefeed-error"] = exc.reason.encode()
+                pointer = orjson.dumps(
+                    {
+                        "withheld": "personal row of an unknown region",
+                        "reason": exc.reason,
+                        "topic": str(msg.topic),
+                        "partition": msg.partition,
+                        "offset": msg.offset,
+                    }
+                )
+                await dead.send(key=None, value=pointer, headers=headers)
+                continue
+            if not bound:
+                ignored_events.inc()
+                continue
+            for message, body in bound:
+                key = message.key
+                targets = all_partitions if key is None else [partition_of(key)]
+                for partition in targets:  # a truncate reaches every partition
+                    packs.setdefault((message.region, partition), []).append(body)
+            routed_events.inc()
+        for (region_name, partition), bodies in packs.items():
+            for pack in encode_packs(bodies):
+                await outputs[region_name].send(value=pack, partition=partition)
+        for event in events:
+            await acker.stream.ack(event)
+
+    acker = _FaustAcker()
+    batches = QuietBatches(batch_max, within, route_batch)
+
     @app.agent(source, name="route")
     async def route(stream: Any) -> None:
-        async for events in stream.take_events(batch_max, within):
-            batch_sizes.observe(len(events))
-            # (region, partition) -> the encoded changes bound there, in source order.
-            packs: dict[tuple[str, int], list[bytes]] = {}
-            for event in events:
-                msg = event.message
-                change = None
-                try:
-                    change = decode_change(event.value or b"", offset=msg.offset)
-                    if change is None:
-                        tombstones.inc()
-                        continue
-                    # Encoded before anything is queued: a change that cannot be
-                    # encoded is dead-lettered whole, never half-routed.
-                    bound = [(m, m.change.encode()) for m in router.route(change)]
-                except Exception as exc:
-                    # PoisonEventError for bad events; anything else is a bug met by
-                    # this event, which goes to the dead letters instead of crashing
-                    # the agent (Faust would restart it and ack the batch, losing it).
-                    if not isinstance(exc, PoisonEventError):
-                        log.exception("router failed on %s@%s", msg.partition, msg.offset)
-                        exc = PoisonEventError("router-error", f"{type(exc).__name__}: {exc}")
-                    measured.dead_letters.labels(app_id, exc.reason).inc()
-                    log.warning(
-                        "dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc
-                    )
-                    headers = _dead_letter_headers(
-                        exc.reason, str(exc), "router", str(msg.topic), msg.partition, msg.offset
-                    )
-                    column = home_columns.get(str(msg.topic))
-                    if column is None:  # shared data: the central dead letters
-                        await dead.send(key=event.key, value=event.value, headers=headers)
-                        continue
-                    home = _home_of(change, column)
-                    if home in regional_dead:  # personal data stays in its region
-                        await regional_dead[home].send(
-                            key=event.key, value=event.value, headers=headers
-                        )
-                        continue
-                    # Personal data of no known region: a pointer to the source
-                    # record, never the row itself (nor an error text quoting it).
-                    headers["edgefeed-withheld"] = b"personal row of an unknown region"
-                    headers["edgefeed-error"] = exc.reason.encode()
-                    pointer = orjson.dumps(
-                        {
-                            "withheld": "personal row of an unknown region",
-                            "reason": exc.reason,
-                            "topic": str(msg.topic),
-                            "partition": msg.partition,
-                            "offset": msg.offset,
-                        }
-                    )
-                    await dead.send(key=None, value=pointer, headers=headers)
-                    continue
-                if not bound:
-                    ignored_events.inc()
-                    continue
-                for message, body in bound:
-                    key = message.key
-                    targets = all_partitions if key is None else [partition_of(key)]
-                    for partition in targets:  # a truncate reaches every partition
-                        packs.setdefault((message.region, partition), []).append(body)
-                routed_events.inc()
-            for (region_name, partition), bodies in packs.items():
-                for pack in encode_packs(bodies):
-                    await outputs[region_name].send(value=pack, partition=partition)
+        acker.stream = stream
+        stream.enable_acks = False  # acked by route_batch, after the routed sends
+        try:
+            async for event in stream.events():
+                fetch_wait.seen()
+                await batches.add(event)
+        except Exception as exc:
+            # As in the regional agent: a restarted agent would resume past the
+            # events of the failed batch; stopping the worker resumes at the
+            # committed offset, which never passes an unrouted event.
+            log.exception("the router's agent failed; stopping the worker")
+            await app.crash(exc)
+            raise
+
+    @app.task  # type: ignore[untyped-decorator]
+    async def close_quiet_batches() -> None:
+        try:
+            await batches.run()
+        except Exception as exc:
+            log.exception("the router's batch timer failed; stopping the worker")
+            await app.crash(exc)
+            raise
 
     return app
 
@@ -357,6 +393,7 @@ def build_region_app(
     names = config.names
     app_id = names.region_group(region_name)
     app = faust_app(app_id, config)
+    fetch_wait: FetchWait = app.edgefeed_fetch_wait  # type: ignore[attr-defined]
     engine = FeatureEngine(config.entities)
     partitions = config.pipeline.partitions
     changes = _raw_topic(app, names.region_topic(region_name), partitions)
@@ -404,6 +441,7 @@ def build_region_app(
         stream.enable_acks = False  # acked at checkpoints, after the cache write
         try:
             async for event in stream.events():
+                fetch_wait.seen()
                 msg = event.message
                 delivery = Delivery(msg.partition, msg.offset, event, event.key, str(msg.topic))
                 await runtime.on_message(delivery, event.value or b"")
@@ -418,10 +456,21 @@ def build_region_app(
             await app.crash(exc)
             raise
 
-    @app.timer(interval=max(0.005, pipeline.batch_within_ms / 2000.0))  # type: ignore[untyped-decorator]
-    async def flush_quiet_tail() -> None:
-        if acker.stream is not None:
-            await runtime.tick()
+    @app.task  # type: ignore[untyped-decorator]
+    async def duties() -> None:
+        # Close quiet batches, start checkpoints, check the cache: each when due,
+        # not on a fixed short timer (an idle worker wakes once a second).
+        while True:
+            if acker.stream is None:  # the agent has not started yet
+                await asyncio.sleep(0.05)
+                continue
+            await runtime.wait_for_duty()
+            try:
+                await runtime.tick()
+            except Exception as exc:  # a bug: stop the worker, as the agent does
+                log.exception("region %s: a duty failed; stopping the worker", region_name)
+                await app.crash(exc)
+                raise
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
     async def checkpoint_at_rebalance(sender: Any, *args: Any, **kwargs: Any) -> None:

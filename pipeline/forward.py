@@ -94,6 +94,8 @@ class ForwardSpec:
         from_beginning: Forward the whole central topic again, from its first
             record, whatever the group committed (rebuilding a lost site).
         max_batch_bytes: Producer batch size per partition.
+        kafka_options: Security options of aiokafka's clients (TLS, SASL: the
+            settings' ``kafka.security``), for both brokers; never logged.
     """
 
     region: str
@@ -111,6 +113,7 @@ class ForwardSpec:
     client_id: str = "edgefeed"
     from_beginning: bool = False
     max_batch_bytes: int = 4 * 1024 * 1024
+    kafka_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(slots=True)
@@ -169,6 +172,7 @@ class Forwarder:
             bootstrap_servers=_through(spec.target, spec.address_map),
             client_id=f"{spec.client_id}-forward-{spec.region}-admin",
             request_timeout_ms=spec.request_timeout_ms,
+            **spec.kafka_options,
         )
         route_through(admin._client, spec.address_map)
         await admin.start()
@@ -195,6 +199,7 @@ class Forwarder:
             # A batch may wait for a cut link for as long as the cut lasts: the
             # group must not evict the forwarder meanwhile (heartbeats go on).
             max_poll_interval_ms=24 * 3600 * 1000,
+            **spec.kafka_options,
         )
         producer = AIOKafkaProducer(
             bootstrap_servers=_through(spec.target, spec.address_map),
@@ -209,6 +214,7 @@ class Forwarder:
             # round trip, 5 packs/s across a 200 ms RTT link. Batches this size
             # carry everything queued in one round trip (and compress better).
             max_batch_size=spec.max_batch_bytes,
+            **spec.kafka_options,
         )
         route_through(producer.client, spec.address_map)
         await self.retrying(producer.start, "connect to the region's broker")

@@ -23,16 +23,26 @@ Features are declared per entity type in edgefeed.yaml::
 from __future__ import annotations
 
 import re
+import ssl
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
+from edgefeed_base.secrets import PasswordFields
 from pipeline.aggregates import Aggregate, FeatureDtype, aggregate_kind
 from pipeline.names import PipelineNames
 
 __all__ = [
     "AggregateFeature",
     "EntitySettings",
+    "KafkaSecuritySettings",
     "KafkaSettings",
     "LatestFeature",
     "PipelineSettings",
@@ -311,6 +321,150 @@ class PipelineSettings(BaseModel):
         return self.names.region_group(region)
 
 
+def _jaas_quoted(value: str) -> str:
+    """A JAAS config string literal (Kafka's parser honours backslash escapes)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+KafkaProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+class KafkaSecuritySettings(PasswordFields):
+    """How every Kafka client of edgefeed authenticates and encrypts.
+
+    The same settings reach the Faust apps (router, regional workers), the
+    aiokafka admin and monitor clients, and the Kafka Connect worker's config
+    (:meth:`java_properties`). The password is a secret, given one way:
+    ``password`` (usually ``${ENV}``-expanded), ``password_env`` or
+    ``password_file``.
+
+    Attributes:
+        protocol: Kafka's ``security.protocol``.
+        sasl_mechanism: PLAIN (only over TLS in production) or SCRAM.
+        username: SASL user.
+        ca_file: PEM bundle that signed the brokers' certificates (None: the
+            system's trust store).
+        cert_file: Client certificate for mutual TLS; ``key_file`` its key.
+        check_hostname: Check the broker's name against its certificate.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    protocol: KafkaProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    username: str | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    check_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KafkaSecuritySettings:
+        sasl = self.protocol.startswith("SASL")
+        tls = self.protocol.endswith("SSL")
+        given = self.password_sources()
+        if sasl and (self.sasl_mechanism is None or not self.username or len(given) != 1):
+            raise ValueError(
+                f"kafka.security.protocol {self.protocol} needs sasl_mechanism, username and "
+                "exactly one of password, password_env, password_file"
+            )
+        if not sasl and (self.sasl_mechanism or self.username or given):
+            raise ValueError(
+                f"kafka.security has SASL credentials but protocol {self.protocol}; "
+                "use SASL_SSL (or SASL_PLAINTEXT)"
+            )
+        if not tls and (self.ca_file or self.cert_file or self.key_file):
+            raise ValueError(
+                f"kafka.security has TLS files but protocol {self.protocol}; use SSL or SASL_SSL"
+            )
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("kafka.security needs both cert_file and key_file (or neither)")
+        return self
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The client TLS context (None without TLS)."""
+        if not self.protocol.endswith("SSL"):
+            return None
+        context = ssl.create_default_context(
+            cafile=str(self.ca_file) if self.ca_file is not None else None
+        )
+        context.check_hostname = self.check_hostname
+        if self.cert_file is not None and self.key_file is not None:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+    def aiokafka_options(self) -> dict[str, Any]:
+        """Keyword options of aiokafka's clients (holds the password: never log it)."""
+        if self.protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security_protocol": self.protocol}
+        context = self.ssl_context()
+        if context is not None:
+            options["ssl_context"] = context
+        if self.sasl_mechanism is not None:
+            options["sasl_mechanism"] = self.sasl_mechanism
+            options["sasl_plain_username"] = self.username
+            options["sasl_plain_password"] = self.secret()
+        return options
+
+    def faust_credentials(self) -> Any:
+        """``faust.App(broker_credentials=...)``, or None for PLAINTEXT."""
+        if self.protocol == "PLAINTEXT":
+            return None
+        import faust  # the pipeline's dependency; settings stay importable without it
+
+        context = self.ssl_context()
+        if self.sasl_mechanism is None:
+            return faust.SSLCredentials(context)
+        return faust.SASLCredentials(
+            username=self.username,
+            password=self.secret(),
+            ssl_context=context,
+            mechanism=self.sasl_mechanism,
+        )
+
+    def java_properties(self, password_reference: str | None = None) -> dict[str, str]:
+        """Java client properties (the Kafka Connect worker and its connectors' clients).
+
+        Args:
+            password_reference: What the JAAS config holds for the password: a
+                config provider reference (``${dir:/run/secrets:kafka}``) so the
+                properties file holds no secret; by default the password itself.
+        """
+        if self.protocol == "PLAINTEXT":
+            return {}
+        props: dict[str, str] = {"security.protocol": self.protocol}
+        if self.protocol.endswith("SSL"):
+            if self.ca_file is not None:
+                props["ssl.truststore.type"] = "PEM"
+                props["ssl.truststore.location"] = str(self.ca_file)
+            if self.cert_file is not None and self.key_file is not None:
+                # Kafka reads a PEM key store as one file: certificate chain then key.
+                props["ssl.keystore.type"] = "PEM"
+                props["ssl.keystore.location"] = str(self.cert_file)
+            if not self.check_hostname:
+                props["ssl.endpoint.identification.algorithm"] = ""
+        if self.sasl_mechanism is not None:
+            module = (
+                "org.apache.kafka.common.security.plain.PlainLoginModule"
+                if self.sasl_mechanism == "PLAIN"
+                else "org.apache.kafka.common.security.scram.ScramLoginModule"
+            )
+            password = password_reference or self.secret()
+            props["sasl.mechanism"] = self.sasl_mechanism
+            props["sasl.jaas.config"] = (
+                f"{module} required username={_jaas_quoted(self.username or '')} "
+                f"password={_jaas_quoted(password)};"
+            )
+        # Connect's worker, its producers (source connectors) and its admin client.
+        return {
+            f"{prefix}{key}": value
+            for prefix in ("", "producer.", "consumer.", "admin.")
+            for key, value in props.items()
+        }
+
+
 class KafkaSettings(BaseModel):
     """The Kafka cluster the pipeline reads from and writes to.
 
@@ -319,11 +473,20 @@ class KafkaSettings(BaseModel):
         session_timeout_ms: Consumer group session timeout. Tansu (the local
             broker) answers a new group's join after about half of it, so keep
             it at 6-10 s in development.
-        fetch_max_wait_ms: How long a fetch waits for data. Keep it short
-            (10-50 ms): the freshness budget is counted in milliseconds.
+        fetch_max_wait_ms: How long a fetch waits for data while changes flow. Keep
+            it short (10-50 ms): the freshness budget is counted in milliseconds,
+            and Tansu (the local broker) answers a fetch of several partitions
+            only after a part of this wait even when data arrives sooner.
+        idle_fetch_max_wait_ms: The fetch wait once a worker has seen no message
+            for 2 s (back to ``fetch_max_wait_ms`` with the first one): an idle
+            worker then asks the broker a few times a second instead of 50, which
+            is most of its idle CPU and of the broker's. The first change after
+            a quiet spell may wait up to this long on Tansu (a Kafka broker answers
+            a waiting fetch as soon as data arrives). 0 keeps the short wait.
         linger_ms: How long a producer holds records to send them together.
             A few milliseconds turns hundreds of tiny produce requests a second
             into a few larger ones (less work for the pipeline and the broker).
+        security: SASL and TLS of every Kafka client (see KafkaSecuritySettings).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -332,7 +495,9 @@ class KafkaSettings(BaseModel):
     client_id: str = "edgefeed"
     session_timeout_ms: int = Field(default=10_000, ge=1_000)
     fetch_max_wait_ms: int = Field(default=20, ge=0, le=500)
+    idle_fetch_max_wait_ms: int = Field(default=500, ge=0, le=5000)
     linger_ms: int = Field(default=5, ge=0, le=1000)
+    security: KafkaSecuritySettings = Field(default_factory=KafkaSecuritySettings)
 
     @field_validator("bootstrap_servers", mode="before")
     @classmethod
@@ -349,3 +514,13 @@ class KafkaSettings(BaseModel):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"bootstrap server {server!r} must be host:port")
         return value
+
+    @model_validator(mode="after")
+    def _idle_wait(self) -> KafkaSettings:
+        idle = self.idle_fetch_max_wait_ms
+        if idle and idle < self.fetch_max_wait_ms:
+            raise ValueError(
+                f"idle_fetch_max_wait_ms {idle} is shorter than fetch_max_wait_ms "
+                f"{self.fetch_max_wait_ms}: make it longer, or 0 to keep the short wait"
+            )
+        return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
@@ -12,14 +13,21 @@ __all__ = ["ensure_topics"]
 
 
 async def ensure_topics(
-    bootstrap: Sequence[str], topics: Mapping[str, int], *, replication_factor: int = 1
+    bootstrap: Sequence[str],
+    topics: Mapping[str, int],
+    *,
+    replication_factor: int = 1,
+    client_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Create the topics that do not exist yet; returns the names created.
 
     Args:
         topics: Topic name -> partitions.
+        client_options: More aiokafka options (``KafkaSecuritySettings.aiokafka_options``).
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=list(bootstrap), client_id="edgefeed-admin")
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=list(bootstrap), client_id="edgefeed-admin", **(client_options or {})
+    )
     await admin.start()
     try:
         existing = set(await admin.list_topics())

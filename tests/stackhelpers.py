@@ -7,43 +7,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import random
-import socket
 import time
 import uuid
 
 import psycopg
 
+from edgefeed.devstack.ports import free_ports
+
+__all__ = [
+    "PG_PASSWORD",
+    "REGIONS",
+    "drop_slot",
+    "free_ports",
+    "read_topic",
+    "stack_settings_mapping",
+    "unique_name",
+]
+
 REGIONS = (("eu-west", "eu"), ("us-east", "us"), ("ap-southeast", "apac"))
 PG_PASSWORD = "edgefeed-test-secret"
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(count: int, *, also_free_offset: int | None = None) -> list[int]:
-    """Ports free right now, distinct, below the kernel's ephemeral range (32768+).
-
-    Args:
-        also_free_offset: Also require ``port + offset`` to be free (a Redis
-            Cluster node uses its port + 10000 for the cluster bus).
-    """
-    rng = random.Random()
-    ports: list[int] = []
-    while len(ports) < count:
-        port = rng.randrange(20000, 32000)
-        if port in ports or not _bindable(port):
-            continue
-        if also_free_offset is not None and not _bindable(port + also_free_offset):
-            continue
-        ports.append(port)
-    return ports
 
 
 def stack_settings_mapping(ports: list[int]) -> dict[str, object]:

@@ -56,15 +56,31 @@ class BatchingConfig:
         max_batch_size: Most rows in one forward pass (1 disables batching).
         preferred_batch_sizes: Row counts sent as soon as they are available.
         max_queue_delay_s: Longest a request waits for others to join its batch.
+        adaptive_delay: Also cap that wait at the estimated forward pass of what
+            is queued: a partner joining saves at most one forward pass, so
+            waiting longer than one costs more than it can save (a 0.3 ms model
+            waits at most 0.3 ms, not 2 ms). Under load the queue fills while a
+            batch runs and batches go at once, as before. False: always wait up
+            to ``max_queue_delay_s`` (Triton's rule).
         max_queue_size: Most requests waiting; beyond it requests get 429.
         default_deadline_s: Budget of a request that names none (None: no deadline).
+        inline_forward_s: Batches whose estimated forward pass is at most this
+            run on the event loop's thread instead of the model thread: for a
+            small model the hand-off to a thread and back (and the two threads
+            taking turns with the GIL) costs more than the forward pass itself.
+            0 always uses the model thread. The server applies it on the CPU
+            only, to uncompiled models (CUDA graphs belong to their thread).
+            A model whose forward pass can block (waits on a lock or I/O)
+            needs 0.
     """
 
     max_batch_size: int = 32
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_s: float = 0.002
+    adaptive_delay: bool = True
     max_queue_size: int = 256
     default_deadline_s: float | None = None
+    inline_forward_s: float = 0.001
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -76,6 +92,8 @@ class BatchingConfig:
             )
         if self.max_queue_delay_s < 0:
             raise WorkerConfigError(f"max_queue_delay_s {self.max_queue_delay_s} must be >= 0")
+        if self.inline_forward_s < 0:
+            raise WorkerConfigError(f"inline_forward_s {self.inline_forward_s} must be >= 0")
         if self.max_queue_size < 1:
             raise WorkerConfigError(f"max_queue_size {self.max_queue_size} must be >= 1")
         if self.default_deadline_s is not None and self.default_deadline_s <= 0:
@@ -93,12 +111,17 @@ class BatchResult:
         model_s: Forward time of the whole batch.
         queue_s: Time from admission to dispatch.
         batch_rows: Rows in the batch.
+        run_s: Time from dispatch until the batch's outputs were back on the
+            event loop (the forward pass plus the hand-offs around it).
+        done_at: ``time.perf_counter()`` when the result was set.
     """
 
     output: np.ndarray
     model_s: float
     queue_s: float
     batch_rows: int
+    run_s: float = 0.0
+    done_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -141,6 +164,12 @@ class DynamicBatcher:
         executor: The one-thread executor batches run on (default: a new one).
             Pass the one the model was prepared and warmed up on: CUDA graphs
             captured by ``torch.compile`` belong to the thread that captured them.
+        inline: Allow batches under ``config.inline_forward_s`` to run on the
+            event loop's thread (needs ``estimate``).
+        fastest: Fastest forward time seen for n rows, which decides
+            ``inline`` (default: ``estimate``). An estimate that averages
+            recent batches grows on a contended machine, and would send small
+            batches back to the thread exactly when the hand-off costs most.
     """
 
     def __init__(
@@ -150,10 +179,15 @@ class DynamicBatcher:
         estimate: Estimate | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         executor: ThreadPoolExecutor | None = None,
+        inline: bool = False,
+        fastest: Estimate | None = None,
     ) -> None:
         self._execute = execute
         self.config = config
+        self._estimated = estimate is not None
+        self._inline = inline and estimate is not None and config.inline_forward_s > 0
         self._estimate = estimate or (lambda rows: 0.0)
+        self._fastest = fastest or self._estimate
         self._on_batch = on_batch
         self._queue: collections.deque[_Pending] = collections.deque()
         self._queued_rows = 0
@@ -279,10 +313,13 @@ class DynamicBatcher:
         fitting = [p for p in self.config.preferred_batch_sizes if p <= self._queued_rows]
         if fitting:
             return 0.0, max(fitting)
-        oldest = self._queue[0]
-        wait = oldest.enqueued + self.config.max_queue_delay_s - now
-        # Waiting must not make anyone queued miss a deadline they could still meet.
         run = self._estimate(self._queued_rows)
+        delay = self.config.max_queue_delay_s
+        if self.config.adaptive_delay and self._estimated:
+            delay = min(delay, run)
+        oldest = self._queue[0]
+        wait = oldest.enqueued + delay - now
+        # Waiting must not make anyone queued miss a deadline they could still meet.
         for item in self._queue:
             if item.deadline is not None:
                 wait = min(wait, item.deadline - run - now)
@@ -332,11 +369,14 @@ class DynamicBatcher:
         if not batch:
             return
         rows = sum(item.rows for item in batch)
-        self._running_until = dispatched + self._estimate(rows)
+        estimate = self._estimate(rows)
+        self._running_until = dispatched + estimate
+        inputs = [item.inputs for item in batch]
         try:
-            outputs, model_s = await loop.run_in_executor(
-                self._executor, self._execute, [item.inputs for item in batch]
-            )
+            if self._inline and self._fastest(rows) <= self.config.inline_forward_s:
+                outputs, model_s = self._execute(inputs)
+            else:
+                outputs, model_s = await loop.run_in_executor(self._executor, self._execute, inputs)
         except asyncio.CancelledError:  # drain timed out with this batch still running
             for item in batch:
                 if not item.future.done():
@@ -358,6 +398,7 @@ class DynamicBatcher:
         finally:
             self._running_until = None
         finished = time.monotonic()
+        done_at = time.perf_counter()
         self.stats.batches += 1
         self.stats.rows += rows
         if self._on_batch is not None:
@@ -375,7 +416,16 @@ class DynamicBatcher:
                 )
                 continue
             self.stats.completed += 1
-            item.future.set_result(BatchResult(output, model_s, dispatched - item.enqueued, rows))
+            item.future.set_result(
+                BatchResult(
+                    output,
+                    model_s,
+                    dispatched - item.enqueued,
+                    rows,
+                    finished - dispatched,
+                    done_at,
+                )
+            )
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop admitting, finish what is queued, stop the dispatcher.

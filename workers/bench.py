@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,8 @@ class LoadResult:
         latencies: One breakdown per successful request.
         batch_rows: Batch rows each successful request rode in.
         errors: Failed requests by server error type.
+        details: T_service by phase (ms) of each successful request whose
+            answer carried it.
     """
 
     concurrency: int
@@ -42,6 +44,7 @@ class LoadResult:
     latencies: tuple[LatencyBreakdown, ...]
     batch_rows: tuple[int, ...]
     errors: dict[str, int] = field(default_factory=dict)
+    details: tuple[Mapping[str, float], ...] = ()
 
     @property
     def throughput(self) -> float:
@@ -89,10 +92,15 @@ async def closed_loop(
     run first and are not measured.
     """
     if warmup_requests:
-        await asyncio.gather(*(make_request(client, -1 - i) for i in range(warmup_requests)))
+        # Not measured: a failed warm-up request (a busy machine's timeout) must not end the run.
+        await asyncio.gather(
+            *(make_request(client, -1 - i) for i in range(warmup_requests)),
+            return_exceptions=True,
+        )
     counter = iter(range(requests))
     latencies: list[LatencyBreakdown] = []
     rows: list[int] = []
+    details: list[Mapping[str, float]] = []
     errors: Counter[str] = Counter()
 
     async def loop() -> None:
@@ -104,11 +112,15 @@ async def closed_loop(
                 continue
             latencies.append(answer.latency)
             rows.append(answer.batch_rows)
+            if answer.phases_ms:
+                details.append(answer.phases_ms)
 
     start = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
-    return LoadResult(concurrency, elapsed, tuple(latencies), tuple(rows), dict(errors))
+    return LoadResult(
+        concurrency, elapsed, tuple(latencies), tuple(rows), dict(errors), tuple(details)
+    )
 
 
 def latency_table(result: LoadResult) -> list[tuple[str, float, float, float]]:

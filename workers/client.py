@@ -11,9 +11,11 @@ headers) to get T_network, so every answer carries all four terms::
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,8 +25,11 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("the model workers need aiohttp: pip install 'edgefeed[workers]'") from exc
 
+from pydantic import SecretStr
+
 from workers.exceptions import WorkerResponseError
 from workers.inputs import NPY_TYPE, encode_npy
+from workers.security import client_tls_context
 from workers.timing import HEADER_DEADLINE_MS, LatencyBreakdown, ServerTiming
 
 __all__ = ["InferenceAnswer", "WorkerClient"]
@@ -38,29 +43,54 @@ class InferenceAnswer:
         body: The decoded JSON body.
         latency: T_network, T_data, T_model, T_service of this request.
         batch_rows: Rows in the batch the request rode in.
+        phases_ms: T_service by phase, in ms, when asked for (request header
+            ``X-Edgefeed-Timing-Detail: 1``); else empty.
     """
 
     body: dict[str, Any]
     latency: LatencyBreakdown
     batch_rows: int
+    phases_ms: Mapping[str, float] = field(default_factory=dict)
 
 
 class WorkerClient:
-    """Talks to one worker over HTTP (keep-alive connections, one session).
+    """Talks to one worker over HTTP or HTTPS (keep-alive connections, one session).
 
     Args:
-        base_url: ``http://host:port`` of the worker.
+        base_url: ``http://host:port`` or ``https://host:port`` of the worker.
         session: An aiohttp session to reuse (else one is created and owned).
         timeout_s: Total timeout per request.
+        token: The worker's bearer token, sent as ``Authorization: Bearer`` on
+            every request (never logged nor put in an error).
+        ca_file: For ``https``: a PEM certificate or CA to trust besides the
+            system's (a worker's self-signed certificate).
+        ssl_context: For ``https``: the TLS context to use instead (overrides ``ca_file``).
     """
 
     def __init__(
-        self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 30.0
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float = 30.0,
+        *,
+        token: str | SecretStr | None = None,
+        ca_file: Path | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._session = session
         self._owned = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        secret = token if isinstance(token, SecretStr) or token is None else SecretStr(token)
+        self._token = secret
+        self._tls: ssl.SSLContext | None = ssl_context
+        if self._tls is None and ca_file is not None:
+            self._tls = client_tls_context(ca_file)
+
+    def _auth(self) -> dict[str, str]:
+        if self._token is None:
+            return {}
+        return {"Authorization": f"Bearer {self._token.get_secret_value()}"}
 
     async def __aenter__(self) -> WorkerClient:
         return self
@@ -71,7 +101,10 @@ class WorkerClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(
+                    limit=0, ssl=self._tls if self._tls is not None else True
+                ),
             )
         return self._session
 
@@ -96,7 +129,7 @@ class WorkerClient:
             WorkerResponseError: any non-200 answer; carries status, server
                 error type, retryable and Retry-After.
         """
-        sent = {"Content-Type": content_type, **(headers or {})}
+        sent = {"Content-Type": content_type, **self._auth(), **(headers or {})}
         if deadline_ms is not None:
             sent[HEADER_DEADLINE_MS] = f"{deadline_ms:g}"
         start = time.perf_counter()
@@ -114,6 +147,7 @@ class WorkerClient:
             json.loads(payload),
             LatencyBreakdown.from_round_trip(round_trip, server),
             server.batch_rows,
+            {name: seconds * 1e3 for name, seconds in server.phases},
         )
 
     async def classify(
@@ -139,14 +173,18 @@ class WorkerClient:
 
     async def models(self) -> dict[str, Any]:
         """``GET /v1/models``."""
-        async with self._http().get(f"{self.base_url}/v1/models") as response:
+        async with self._http().get(f"{self.base_url}/v1/models", headers=self._auth()) as response:
+            if response.status != 200:
+                raise _error_of(response.status, await response.read(), response.headers)
             data: dict[str, Any] = await response.json()
             return data
 
     async def ready(self) -> bool:
         """True when ``/readyz`` answers 200."""
         try:
-            async with self._http().get(f"{self.base_url}/readyz") as response:
+            async with self._http().get(
+                f"{self.base_url}/readyz", headers=self._auth()
+            ) as response:
                 return response.status == 200
         except aiohttp.ClientError:
             return False

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -88,6 +90,13 @@ class ConnectionGuard:
         guarded = self._by_handler.get(request.protocol)
         if guarded is not None:
             guarded.busy = False
+            guarded.began = None
+
+    def request_began(self, request: web.BaseRequest) -> float | None:
+        """``time.perf_counter()`` at the first byte of ``request`` (None: not known,
+        e.g. a pipelined request whose bytes came while the previous one ran)."""
+        guarded = self._by_handler.get(request.protocol)
+        return None if guarded is None else guarded.began
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -107,6 +116,7 @@ class _GuardedProtocol(asyncio.Protocol):
         self.guard = guard
         self.inner = inner
         self.busy = False
+        self.began: float | None = None
         self.refused = False
         self.transport: asyncio.Transport | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -157,6 +167,8 @@ class _GuardedProtocol(asyncio.Protocol):
             return
         if not self.busy and self._deadline is None:
             self.arm()  # the first byte of a new request starts its header deadline
+        if not self.busy and self.began is None:
+            self.began = time.perf_counter()
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -191,9 +203,11 @@ class GuardedTCPSite(web.BaseSite):
         port: TCP port (0: any free one; read :attr:`port` after :meth:`start`).
         guard: The guard every connection goes through.
         backlog: Listen backlog.
+        ssl_context: Serve TLS with it (the handshake must finish within the
+            guard's header timeout).
     """
 
-    __slots__ = ("_bound_port", "_guard", "_host", "_port")
+    __slots__ = ("_bound_port", "_guard", "_host", "_port", "_tls")
 
     def __init__(
         self,
@@ -203,8 +217,10 @@ class GuardedTCPSite(web.BaseSite):
         guard: ConnectionGuard,
         *,
         backlog: int = 128,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(runner, backlog=backlog)
+        self._tls = ssl_context
         self._host = host
         self._port = port
         self._guard = guard
@@ -217,7 +233,7 @@ class GuardedTCPSite(web.BaseSite):
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self.port}"
+        return f"{'http' if self._tls is None else 'https'}://{self._host}:{self.port}"
 
     async def start(self) -> None:
         await super().start()
@@ -230,6 +246,8 @@ class GuardedTCPSite(web.BaseSite):
             self._host,
             self._port,
             backlog=self._backlog,
+            ssl=self._tls,
+            ssl_handshake_timeout=self._guard.header_timeout_s if self._tls else None,
         )
         sockets = self._server.sockets
         self._bound_port = int(sockets[0].getsockname()[1]) if sockets else self._port

@@ -25,6 +25,7 @@ __all__ = [
     "PayloadTooLargeError",
     "QueueFullError",
     "RequestTimeoutError",
+    "UnauthorizedError",
     "UnknownModelError",
     "UnsupportedMediaTypeError",
     "WorkerConfigError",
@@ -75,6 +76,13 @@ class UnknownModelError(BadRequestError):
     """No model of that name is served by this worker."""
 
     http_status = 404
+
+
+class UnauthorizedError(WorkersError):
+    """The request carries no bearer token, or not the worker's. Not retryable as sent:
+    send ``Authorization: Bearer <token>`` with the worker's token."""
+
+    http_status = 401
 
 
 class MissingFeaturesError(BadRequestError):

@@ -16,6 +16,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = ["WorkerMetrics"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_PHASE_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.5,
+)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -26,11 +40,15 @@ class WorkerMetrics:
     ``edgefeed_worker_latency_seconds{model,term}`` carries the latency budget
     terms the server measures: ``data``, ``model``, ``service`` and ``server``
     (their sum); the client adds ``network``.
+    ``edgefeed_worker_phase_seconds{model,phase}`` breaks ``service`` down by
+    phase (:data:`workers.timing.SERVICE_PHASES`).
     """
 
     region: str
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     latency: Histogram = field(init=False)
+    phase: Histogram = field(init=False)
+    gc_pause: Histogram = field(init=False)
     requests: Counter = field(init=False)
     rejected: Counter = field(init=False)
     batch_rows: Histogram = field(init=False)
@@ -42,6 +60,7 @@ class WorkerMetrics:
     slow_clients: Counter = field(init=False)
     connections: Gauge = field(init=False)
     connections_refused: Counter = field(init=False)
+    unauthorized: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         labels = ["region", "model"]
@@ -50,6 +69,21 @@ class WorkerMetrics:
             "Per-request latency by budget term (data, model, service, server)",
             [*labels, "term"],
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.phase = Histogram(
+            "edgefeed_worker_phase_seconds",
+            "T_service by phase: http, read, queue, batch, resume, render, other",
+            [*labels, "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.gc_pause = Histogram(
+            "edgefeed_worker_gc_pause_seconds",
+            "Garbage collector pauses of the worker process, by generation (they stall "
+            "the event loop and every request in flight)",
+            ["region", "generation"],
+            buckets=_PHASE_BUCKETS,
             registry=self.registry,
         )
         self.requests = Counter(
@@ -117,6 +151,12 @@ class WorkerMetrics:
         self.connections_refused = Counter(
             "edgefeed_worker_connections_refused",
             "Connections refused (503) because max_connections were open",
+            ["region"],
+            registry=self.registry,
+        )
+        self.unauthorized = Counter(
+            "edgefeed_worker_unauthorized",
+            "Requests refused (401) for a missing or wrong bearer token",
             ["region"],
             registry=self.registry,
         )

@@ -137,13 +137,19 @@ def _quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
 
 @dataclass(slots=True)
 class _Estimate:
-    """Exponentially weighted forward time of one bucket size, in seconds."""
+    """Exponentially weighted forward time of one bucket size, in seconds, and the
+    fastest seen (what the work costs when the machine is not contended)."""
 
     seconds: float
     alpha: float = 0.2
+    fastest: float = float("inf")
+
+    def __post_init__(self) -> None:
+        self.fastest = min(self.fastest, self.seconds)
 
     def update(self, sample: float) -> None:
         self.seconds += self.alpha * (sample - self.seconds)
+        self.fastest = min(self.fastest, sample)
 
 
 @dataclass(slots=True)
@@ -213,6 +219,19 @@ class ModelRunner:
             "buckets": list(self.buckets),
         }
 
+    @property
+    def inline_ok(self) -> bool:
+        """True when batches may run on another thread than the one that prepared the
+        model: on the CPU, uncompiled (CUDA graphs belong to the capturing thread)."""
+        return self.device.type == "cpu" and not self.static_shapes
+
+    def apply_threads(self, threads: int | None = None) -> None:
+        """Set the calling thread's torch thread count (OpenMP's is per thread):
+        ``threads``, else ``cpu_threads`` when configured."""
+        count = threads or self.config.cpu_threads
+        if self.device.type == "cpu" and count:
+            torch.set_num_threads(count)
+
     def bucket_for(self, rows: int) -> int:
         """The smallest bucket size holding ``rows`` (rows itself beyond the largest)."""
         for size in self.buckets:
@@ -231,6 +250,19 @@ class ModelRunner:
             largest = max(self._estimates)
             return self._estimates[largest].seconds * rows / largest
 
+    def fastest(self, rows: int) -> float:
+        """The fastest forward pass seen for ``rows`` rows' bucket, in seconds (0 before
+        warm-up): the cost of the work itself, which CPU contention does not inflate.
+        Decides whether a batch is small enough to run on the event loop."""
+        with self._lock:
+            if not self._estimates:
+                return 0.0
+            bucket = self.bucket_for(rows)
+            if bucket in self._estimates:
+                return self._estimates[bucket].fastest
+            largest = max(self._estimates)
+            return self._estimates[largest].fastest * rows / largest
+
     def warm_up(self, example_rows: Any, rounds: int = 2) -> dict[int, float]:
         """Run every bucket size ``rounds`` times; seed the estimates; return ms per bucket.
 
@@ -246,10 +278,12 @@ class ModelRunner:
                 self.module, self._eager, self.static_shapes = self._eager, None, False
         for size in self.buckets:
             inputs = example_rows(size)
+            fastest = float("inf")
             for _ in range(max(1, rounds)):
                 _, elapsed = self._forward([inputs])
+                fastest = min(fastest, elapsed)
             with self._lock:
-                self._estimates[size] = _Estimate(elapsed)
+                self._estimates[size] = _Estimate(elapsed, fastest=fastest)
             timings[size] = elapsed * 1e3
         return timings
 

@@ -6,7 +6,8 @@ Endpoints:
     Body in the model's format; optional ``X-Edgefeed-Deadline-Ms`` budget.
     Answers JSON with the latency terms in ``X-Edgefeed-T-*-Ms`` headers and
     ``Server-Timing``. Errors answer ``{"error": {"type", "message", "retryable"}}``
-    with 4xx for bad input, 429/503 plus ``Retry-After`` for backpressure and
+    with 4xx for bad input (401 without the bearer token, when one is configured),
+    429/503 plus ``Retry-After`` for backpressure and
     drain, 504 for a budget that cannot be met, 500 for a failed batch.
 ``GET /v1/models``
     Models, versions, device, precision, batching and counters.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -30,7 +32,8 @@ import signal
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 try:
@@ -39,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("the model workers need aiohttp: pip install 'edgefeed[workers]'") from exc
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import SecretStr
 
 from workers.batcher import BatchingConfig, DynamicBatcher
 from workers.connections import ConnectionGuard, GuardedTCPSite
@@ -61,7 +65,13 @@ from workers.exceptions import (
 from workers.metrics import WorkerMetrics
 from workers.models.base import ServedModel
 from workers.runtime import ModelRunner, RuntimeConfig
-from workers.timing import HEADER_DEADLINE_MS, ServerTiming
+from workers.security import TokenAuth, server_tls_context
+from workers.timing import (
+    HEADER_DEADLINE_MS,
+    HEADER_TIMING_DETAIL,
+    SERVICE_PHASES,
+    ServerTiming,
+)
 
 __all__ = ["InferenceServer", "ServerConfig", "run_server"]
 
@@ -89,6 +99,18 @@ class ServerConfig:
             connection is answered 503 with ``Retry-After`` and closed.
         keepalive_timeout_s: How long an idle keep-alive connection stays open
             between requests (aiohttp's own default is an hour).
+        gc_freeze: After warm-up, move every object alive then (torch, the
+            models, the libraries: ~200,000 objects) out of the garbage
+            collector's reach (``gc.freeze()``). A full collection scanning them
+            stalled the event loop for 100-230 ms on the 2-core benchmark machine,
+            every request in flight with it; after the freeze it scans only
+            what requests allocate.
+        auth_token: When set, every request but the probes needs
+            ``Authorization: Bearer <token>`` (401 otherwise); see
+            :mod:`workers.security`.
+        auth_protect_probes: Also require the token on ``/healthz`` and ``/readyz``.
+        tls_cert_file: PEM certificate chain: serve HTTPS (with ``tls_key_file``).
+        tls_key_file: PEM private key of ``tls_cert_file``.
     """
 
     host: str = "127.0.0.1"
@@ -100,8 +122,17 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     max_connections: int = 1000
     keepalive_timeout_s: float = 15.0
+    gc_freeze: bool = True
+    auth_token: SecretStr | None = field(default=None, repr=False)
+    auth_protect_probes: bool = False
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     def __post_init__(self) -> None:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise WorkerConfigError(
+                "tls_cert_file and tls_key_file go together: give both (HTTPS) or neither"
+            )
         for name in (
             "header_timeout_s",
             "body_timeout_s",
@@ -114,10 +145,38 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class _Series:
+    """One model's metric children, looked up once (``labels()`` costs a lock and a
+    dict lookup per call, on every request)."""
+
+    data: Any
+    model: Any
+    service: Any
+    server: Any
+    phases: dict[str, Any]
+    ok: Any
+    queue_depth: Any
+
+    @classmethod
+    def of(cls, metrics: WorkerMetrics, region: str, model: str) -> _Series:
+        latency = metrics.latency
+        return cls(
+            data=latency.labels(region, model, "data"),
+            model=latency.labels(region, model, "model"),
+            service=latency.labels(region, model, "service"),
+            server=latency.labels(region, model, "server"),
+            phases={p: metrics.phase.labels(region, model, p) for p in SERVICE_PHASES},
+            ok=metrics.requests.labels(region, model, "200"),
+            queue_depth=metrics.queue_depth.labels(region, model),
+        )
+
+
+@dataclass(slots=True)
 class _Slot:
     model: ServedModel
     runner: ModelRunner | None = None
     batcher: DynamicBatcher | None = None
+    series: _Series | None = None
 
 
 def _reason(exc: WorkersError) -> str:
@@ -183,6 +242,20 @@ class InferenceServer:
             on_timeout=self.metrics.slow_clients.labels(region, "header").inc,
             on_open_change=self.metrics.connections.labels(region).set,
         )
+        self._auth = (
+            None
+            if self.config.auth_token is None
+            else TokenAuth(
+                self.config.auth_token,
+                protect_probes=self.config.auth_protect_probes,
+                on_refused=self.metrics.unauthorized.labels(region).inc,
+            )
+        )
+        self._tls = (
+            None
+            if self.config.tls_cert_file is None or self.config.tls_key_file is None
+            else server_tls_context(self.config.tls_cert_file, self.config.tls_key_file)
+        )
         self._slots = {model.name: _Slot(model) for model in models}
         if len(self._slots) != len(models):
             raise ValueError("model names must be distinct")
@@ -192,13 +265,19 @@ class InferenceServer:
         self._runner: web.AppRunner | None = None
         self._site: GuardedTCPSite | None = None
         self._warmup: asyncio.Task[None] | None = None
+        self._gc_started = 0.0
+        self._gc_pauses = [
+            self.metrics.gc_pause.labels(self.config.region, str(generation))
+            for generation in range(3)
+        ]
         self.warmup_ms: dict[str, dict[int, float]] = {}
         self.port = 0
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:41234``."""
-        return f"http://{self.config.host}:{self.port}"
+        """Base URL, e.g. ``http://127.0.0.1:41234`` (``https://`` with TLS)."""
+        scheme = "http" if self._tls is None else "https"
+        return f"{scheme}://{self.config.host}:{self.port}"
 
     @property
     def ready(self) -> bool:
@@ -214,8 +293,11 @@ class InferenceServer:
 
     def make_app(self) -> web.Application:
         """The aiohttp application (routes only; :meth:`start` runs it)."""
+        middlewares: list[Any] = [self._guard.middleware]
+        if self._auth is not None:
+            middlewares.append(self._auth.middleware)
         app = web.Application(
-            client_max_size=self.config.max_payload_bytes, middlewares=[self._guard.middleware]
+            client_max_size=self.config.max_payload_bytes, middlewares=middlewares
         )
         app.router.add_post("/v1/models/{model}/infer", self._infer)
         app.router.add_get("/v1/models", self._models)
@@ -233,9 +315,12 @@ class InferenceServer:
             keepalive_timeout=self.config.keepalive_timeout_s,
         )
         await self._runner.setup()
-        self._site = GuardedTCPSite(self._runner, self.config.host, self.config.port, self._guard)
+        self._site = GuardedTCPSite(
+            self._runner, self.config.host, self.config.port, self._guard, ssl_context=self._tls
+        )
         await self._site.start()
         self.port = self._site.port
+        gc.callbacks.append(self._on_gc)  # removed by stop()
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
         if wait_ready:
             try:
@@ -267,15 +352,31 @@ class InferenceServer:
             except BaseException:
                 thread.shutdown(wait=False, cancel_futures=True)
                 raise
-            labels = (self.config.region, name)
+            batch_rows = self.metrics.batch_rows.labels(self.config.region, name)
+            forward = self.metrics.forward_seconds.labels(self.config.region, name)
 
-            def on_batch(rows: int, seconds: float, labels: tuple[str, str] = labels) -> None:
-                self.metrics.batch_rows.labels(*labels).observe(rows)
-                self.metrics.forward_seconds.labels(*labels).observe(seconds)
+            def on_batch(
+                rows: int, seconds: float, batch_rows: Any = batch_rows, forward: Any = forward
+            ) -> None:
+                batch_rows.observe(rows)
+                forward.observe(seconds)
 
             slot.runner = runner
+            slot.series = _Series.of(self.metrics, self.config.region, name)
+            if runner.inline_ok:
+                # This (the event loop's) thread runs only batches under inline_forward_s:
+                # one torch thread, since waking and spinning OpenMP workers for a
+                # sub-millisecond forward pass costs more than it saves (their spinning
+                # takes the core the event loop needs next).
+                runner.apply_threads(1)
             slot.batcher = DynamicBatcher(
-                runner.execute, self.batching, runner.estimate, on_batch, executor=thread
+                runner.execute,
+                self.batching,
+                runner.estimate,
+                on_batch,
+                executor=thread,
+                inline=runner.inline_ok,
+                fastest=runner.fastest,
             )
             slot.batcher.start()
             log.info(
@@ -285,6 +386,9 @@ class InferenceServer:
                 runner.precision,
                 self.warmup_ms[name],
             )
+        if self.config.gc_freeze:
+            gc.collect()
+            gc.freeze()
         self._ready = True
         self.metrics.ready.labels(self.config.region).set(1)
 
@@ -313,6 +417,8 @@ class InferenceServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
         for slot in self._slots.values():
             await slot.model.aclose()
 
@@ -322,6 +428,13 @@ class InferenceServer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        # Runs inside the collector, on whichever thread triggered it: no allocation-heavy work.
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_pauses[info["generation"]].observe(time.perf_counter() - self._gc_started)
 
     # -- handlers ---------------------------------------------------------
 
@@ -347,7 +460,9 @@ class InferenceServer:
         return response
 
     async def _infer(self, request: web.Request) -> web.Response:
-        start = time.perf_counter()
+        # T_service counts from the request's first byte: header parsing and the
+        # event loop's queue before this handler runs are the server's time too.
+        start = self._guard.request_began(request) or time.perf_counter()
         name = request.match_info["model"]
         slot = self._slots.get(name)
         try:
@@ -398,6 +513,7 @@ class InferenceServer:
                 "bytes; preprocess (resize) at the edge or raise max_payload_bytes"
             )
         budget = self._budget(request)
+        handler_start = time.perf_counter()
         body = await self._read_body(request)
         data_start = time.perf_counter()
         try:
@@ -416,8 +532,9 @@ class InferenceServer:
                 f"request could not be decoded: {type(exc).__name__}: {exc}"
             ) from None
         data_s = time.perf_counter() - data_start
-        labels = (self.config.region, slot.model.name)
-        self.metrics.queue_depth.labels(*labels).set(slot.batcher.queue_depth + 1)
+        series = slot.series
+        assert series is not None
+        series.queue_depth.set(slot.batcher.queue_depth + 1)
         remaining = None
         if budget is not None:
             remaining = budget - (time.perf_counter() - start)
@@ -427,24 +544,39 @@ class InferenceServer:
                 f"(decode and feature lookup took {data_s * 1e3:.1f} ms)"
             )
         result = await slot.batcher.submit(prepared.inputs, prepared.rows, remaining)
-        self.metrics.queue_depth.labels(*labels).set(slot.batcher.queue_depth)
+        resumed = time.perf_counter()
+        series.queue_depth.set(slot.batcher.queue_depth)
         text = self._render(slot, prepared, result.output)
-        server_s = time.perf_counter() - start
+        end = time.perf_counter()
+        server_s = end - start
+        service_s = max(0.0, server_s - data_s - result.model_s)
+        named = {
+            "http": handler_start - start,
+            "read": data_start - handler_start,
+            "queue": result.queue_s,
+            "batch": max(0.0, result.run_s - result.model_s),
+            "resume": max(0.0, resumed - result.done_at) if result.done_at else 0.0,
+            "render": end - resumed,
+        }
+        named["other"] = max(0.0, service_s - sum(named.values()))
         timing = ServerTiming(
             data_s=data_s,
             model_s=result.model_s,
-            service_s=max(0.0, server_s - data_s - result.model_s),
+            service_s=service_s,
             batch_rows=result.batch_rows,
+            phases=tuple(named.items()),
         )
-        for term, value in (
-            ("data", timing.data_s),
-            ("model", timing.model_s),
-            ("service", timing.service_s),
-            ("server", server_s),
-        ):
-            self.metrics.latency.labels(*labels, term).observe(value)
-        self.metrics.requests.labels(*labels, "200").inc()
-        return web.Response(text=text, content_type="application/json", headers=timing.headers())
+        series.data.observe(data_s)
+        series.model.observe(result.model_s)
+        series.service.observe(service_s)
+        series.server.observe(server_s)
+        for phase, seconds in named.items():
+            series.phases[phase].observe(seconds)
+        series.ok.inc()
+        detail = request.headers.get(HEADER_TIMING_DETAIL) == "1"
+        return web.Response(
+            text=text, content_type="application/json", headers=timing.headers(detail)
+        )
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, within ``body_timeout_s``; a vanished client is told apart."""

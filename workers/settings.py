@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers.batcher import BatchingConfig
+from workers.exceptions import WorkerConfigError
 from workers.runtime import CompileMode, RuntimeConfig
+from workers.security import read_token_file
 from workers.server import ServerConfig
 
 __all__ = ["WorkerSettings"]
@@ -16,7 +20,10 @@ class WorkerSettings(BaseSettings):
     """Everything tunable about one worker process.
 
     Attributes mirror :class:`BatchingConfig`, :class:`RuntimeConfig` and
-    :class:`ServerConfig`, in milliseconds where people think in them.
+    :class:`ServerConfig`, in milliseconds where people think in them. The bearer
+    token comes from ``EDGEFEED_WORKERS_AUTH_TOKEN`` or from the file named by
+    ``auth_token_file`` (``EDGEFEED_WORKERS_AUTH_TOKEN_FILE``, ``--auth-token-file``),
+    not both.
     """
 
     model_config = SettingsConfigDict(env_prefix="EDGEFEED_WORKERS_", extra="forbid", frozen=True)
@@ -30,6 +37,7 @@ class WorkerSettings(BaseSettings):
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_ms: float = Field(default=2.0, ge=0)
+    adaptive_delay: bool = True
     max_queue_size: int = Field(default=256, ge=1)
     default_deadline_ms: float | None = Field(default=None, gt=0)
     max_payload_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
@@ -38,6 +46,13 @@ class WorkerSettings(BaseSettings):
     body_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=1000, ge=1)
     keepalive_timeout_s: float = Field(default=15.0, gt=0)
+    inline_forward_ms: float = Field(default=1.0, ge=0)
+    gc_freeze: bool = True
+    auth_token: SecretStr | None = None
+    auth_token_file: Path | None = None
+    auth_protect_probes: bool = False
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     def batching(self) -> BatchingConfig:
         """The batcher's view."""
@@ -45,7 +60,9 @@ class WorkerSettings(BaseSettings):
             max_batch_size=self.max_batch_size,
             preferred_batch_sizes=tuple(self.preferred_batch_sizes),
             max_queue_delay_s=self.max_queue_delay_ms / 1e3,
+            adaptive_delay=self.adaptive_delay,
             max_queue_size=self.max_queue_size,
+            inline_forward_s=self.inline_forward_ms / 1e3,
             default_deadline_s=(
                 self.default_deadline_ms / 1e3 if self.default_deadline_ms is not None else None
             ),
@@ -61,8 +78,27 @@ class WorkerSettings(BaseSettings):
             cpu_threads=self.cpu_threads,
         )
 
+    def token(self) -> SecretStr | None:
+        """The bearer token, from the environment or the token file (None: no auth).
+
+        Raises:
+            WorkerConfigError: both are given, or the file cannot be read.
+        """
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise WorkerConfigError(
+                "the auth token is given twice (EDGEFEED_WORKERS_AUTH_TOKEN and "
+                f"auth_token_file {str(self.auth_token_file)!r}); keep one"
+            )
+        if self.auth_token_file is not None:
+            return read_token_file(self.auth_token_file)
+        return self.auth_token
+
     def server(self, region: str) -> ServerConfig:
-        """The HTTP server's view."""
+        """The HTTP server's view.
+
+        Raises:
+            WorkerConfigError: see :meth:`token`; a TLS file without its pair.
+        """
         return ServerConfig(
             host=self.host,
             port=self.port,
@@ -73,4 +109,9 @@ class WorkerSettings(BaseSettings):
             body_timeout_s=self.body_timeout_s,
             max_connections=self.max_connections,
             keepalive_timeout_s=self.keepalive_timeout_s,
+            gc_freeze=self.gc_freeze,
+            auth_token=self.token(),
+            auth_protect_probes=self.auth_protect_probes,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
         )

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 __all__ = [
     "HEADER_BATCH_ROWS",
     "HEADER_DEADLINE_MS",
+    "HEADER_TIMING_DETAIL",
     "HEADER_T_DATA",
     "HEADER_T_MODEL",
+    "HEADER_T_PHASES",
     "HEADER_T_SERVER",
     "HEADER_T_SERVICE",
+    "SERVICE_PHASES",
     "LatencyBreakdown",
     "ServerTiming",
 ]
@@ -29,6 +32,23 @@ HEADER_T_MODEL = "X-Edgefeed-T-Model-Ms"
 HEADER_T_SERVICE = "X-Edgefeed-T-Service-Ms"
 HEADER_T_SERVER = "X-Edgefeed-T-Server-Ms"
 HEADER_BATCH_ROWS = "X-Edgefeed-Batch-Rows"
+#: Request header: ``1`` asks for T_service by phase in :data:`HEADER_T_PHASES`.
+HEADER_TIMING_DETAIL = "X-Edgefeed-Timing-Detail"
+#: Response header (when asked for): ``http=0.012, read=0.004, ...`` in ms.
+HEADER_T_PHASES = "X-Edgefeed-T-Phases-Ms"
+
+SERVICE_PHASES = ("http", "read", "queue", "batch", "resume", "render", "other")
+"""The phases T_service is made of, in request order.
+
+``http``: from the request's first byte to its handler (header parsing and the
+event loop's queue); ``read``: the body; ``queue``: waiting for a batch to be
+dispatched; ``batch``: the batch's round trip to the model thread minus the
+forward pass (thread hand-off, batch assembly, splitting the outputs);
+``resume``: from the batch's results to the request's handler running again;
+``render``: the answer's JSON; ``other``: the rest (admission, metrics).
+Writing the answer to the socket happens after the headers are sent and is
+in no term.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,22 +60,29 @@ class ServerTiming:
         model_s: The forward pass of the batch that held the request.
         service_s: The rest: queueing, (de)serialization, framework.
         batch_rows: Rows in that batch (1 when it ran alone).
+        phases: T_service by phase (:data:`SERVICE_PHASES`), seconds; empty
+            when not measured or not asked for.
     """
 
     data_s: float
     model_s: float
     service_s: float
     batch_rows: int = 1
+    phases: tuple[tuple[str, float], ...] = ()
 
     @property
     def server_s(self) -> float:
         """Everything the server spent: data + model + service."""
         return self.data_s + self.model_s + self.service_s
 
-    def headers(self) -> dict[str, str]:
-        """Response headers: one per term plus the W3C ``Server-Timing`` header."""
+    def headers(self, detail: bool = False) -> dict[str, str]:
+        """Response headers: one per term plus the W3C ``Server-Timing`` header.
+
+        Args:
+            detail: Add :data:`HEADER_T_PHASES` (T_service by phase).
+        """
         data, model, service = self.data_s * 1e3, self.model_s * 1e3, self.service_s * 1e3
-        return {
+        headers = {
             HEADER_T_DATA: f"{data:.3f}",
             HEADER_T_MODEL: f"{model:.3f}",
             HEADER_T_SERVICE: f"{service:.3f}",
@@ -65,16 +92,26 @@ class ServerTiming:
                 f"data;dur={data:.3f}, model;dur={model:.3f}, service;dur={service:.3f}"
             ),
         }
+        if detail and self.phases:
+            headers[HEADER_T_PHASES] = ", ".join(
+                f"{name}={seconds * 1e3:.3f}" for name, seconds in self.phases
+            )
+        return headers
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> ServerTiming | None:
         """Parse the headers :meth:`headers` wrote; None when they are absent or malformed."""
         try:
+            phases: tuple[tuple[str, float], ...] = ()
+            if HEADER_T_PHASES in headers:
+                pairs = (part.strip().split("=", 1) for part in headers[HEADER_T_PHASES].split(","))
+                phases = tuple((name, float(ms) / 1e3) for name, ms in pairs)
             return cls(
                 data_s=float(headers[HEADER_T_DATA]) / 1e3,
                 model_s=float(headers[HEADER_T_MODEL]) / 1e3,
                 service_s=float(headers[HEADER_T_SERVICE]) / 1e3,
                 batch_rows=int(headers.get(HEADER_BATCH_ROWS, "1")),
+                phases=phases,
             )
         except (KeyError, ValueError):
             return None

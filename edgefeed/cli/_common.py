@@ -58,7 +58,11 @@ def settings_of(ctx: typer.Context) -> EdgefeedSettings:
     settings = run_reported(lambda: load_settings(settings_path_of(ctx)))
     # SecretStr fields dump as "****"; their values come from database.secret().
     _SECRETS.update(s for s in secrets_of(settings.model_dump(mode="json")) if s.strip("*"))
-    _SECRETS.add(settings.database.secret())
+    _SECRETS.update(settings.database.secrets())
+    _SECRETS.add(settings.kafka.security.secret())
+    for region in settings.regions:
+        _SECRETS.update(u.secret() for u in (region.reader, region.writer) if u is not None)
+    _SECRETS.discard("")
     return settings
 
 

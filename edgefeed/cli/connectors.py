@@ -41,7 +41,7 @@ def _client(settings: EdgefeedSettings) -> ConnectClient:
         settings.connect.url,
         timeout_s=settings.connect.timeout_s,
         retries=settings.connect.retries,
-        secrets=[settings.database.secret()],
+        secrets=settings.database.secrets(),
     )
 
 

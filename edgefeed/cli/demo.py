@@ -190,7 +190,7 @@ def run(
     with ConnectClient(
         settings.connect.url,
         timeout_s=settings.connect.timeout_s,
-        secrets=[settings.database.secret()],
+        secrets=settings.database.secrets(),
     ) as client:
         changes = run_reported(
             lambda: deploy.apply(client, settings.database, settings.sources, wait_s=120)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
@@ -83,7 +84,6 @@ def build_config(
     """The monitor's view of the settings file."""
     from monitoring import MonitorConfig, RegionTarget, SourceTarget
 
-    secret = settings.database.secret()
     if not groups and settings.sites.regions:
         # With sites, a region with a broker of its own has its worker's group there;
         # on the central broker, its forwarder's group is how far behind it is.
@@ -94,11 +94,14 @@ def build_config(
         ]
     return MonitorConfig(
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
-        regions=tuple(RegionTarget(r.name, r.redis_url) for r in settings.regions),
+        regions=tuple(
+            RegionTarget(r.name, r.redis_url, r.redis_options("reader")) for r in settings.regions
+        ),
         sources=tuple(
             SourceTarget(s.name, s.connector_name, s.effective_slot_name) for s in settings.sources
         ),
         database_dsn=settings.database.dsn(),
+        kafka_options=settings.kafka.security.aiokafka_options(),
         connect_url=settings.connect.url,
         groups=tuple(groups or ()),
         names=settings.pipeline.names,
@@ -109,7 +112,7 @@ def build_config(
         sample_size=sample_size,
         timeout_s=settings.connect.timeout_s,
         client_id=f"{settings.kafka.client_id}-monitor",
-        secrets=(secret,) if secret else (),
+        secrets=tuple(settings.database.secrets()),
     )
 
 
@@ -278,10 +281,40 @@ def register(app: typer.Typer) -> None:
     @app.command("exporter")
     def exporter_cmd(
         ctx: typer.Context,
-        host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+        host: Annotated[
+            str,
+            typer.Option(
+                help="Address to listen on (loopback by default; 0.0.0.0 for every interface).",
+                envvar="EDGEFEED_EXPORTER_HOST",
+            ),
+        ] = "127.0.0.1",
         port: Annotated[
             int, typer.Option(help="Port of /metrics.", envvar="EDGEFEED_EXPORTER_PORT")
         ] = 9308,
+        token_file: Annotated[
+            Path | None,
+            typer.Option(
+                help="File holding the bearer token scrapers must send.",
+                envvar="EDGEFEED_EXPORTER_TOKEN_FILE",
+            ),
+        ] = None,
+        token_env: Annotated[
+            str | None,
+            typer.Option(
+                help="Name of an environment variable holding the bearer token.",
+                envvar="EDGEFEED_EXPORTER_TOKEN_ENV",
+            ),
+        ] = None,
+        tls_cert: Annotated[
+            Path | None,
+            typer.Option(
+                help="PEM certificate chain: serve HTTPS only.", envvar="EDGEFEED_EXPORTER_TLS_CERT"
+            ),
+        ] = None,
+        tls_key: Annotated[
+            Path | None,
+            typer.Option(help="PEM private key of --tls-cert.", envvar="EDGEFEED_EXPORTER_TLS_KEY"),
+        ] = None,
         interval: Annotated[float, typer.Option(help="Seconds between collections.")] = 15.0,
         group: GroupOpt = None,
         window: WindowOpt = 10,
@@ -290,9 +323,14 @@ def register(app: typer.Typer) -> None:
         sample_size: SampleOpt = 20,
     ) -> None:
         """Serve Prometheus metrics (kafka_exporter names plus edgefeed_*) on /metrics."""
-        from monitoring import Monitor, serve
+        from monitoring import EndpointSecurity, Monitor, serve
 
         settings = settings_of(ctx)
+        security = run_reported(
+            lambda: EndpointSecurity.load(
+                token_file=token_file, token_env=token_env, certfile=tls_cert, keyfile=tls_key
+            )
+        )
         config = run_reported(
             lambda: build_config(
                 settings,
@@ -306,7 +344,11 @@ def register(app: typer.Typer) -> None:
         )
 
         def ready(bound: int) -> None:
-            console.print(f"serving metrics on http://{host}:{bound}/metrics", highlight=False)
+            scheme = "https" if security.tls else "http"
+            auth = " (bearer token required)" if security.token is not None else ""
+            console.print(
+                f"serving metrics on {scheme}://{host}:{bound}/metrics{auth}", highlight=False
+            )
 
         async def main() -> None:
             import signal
@@ -321,6 +363,7 @@ def register(app: typer.Typer) -> None:
                 host=host,
                 port=port,
                 interval_s=interval,
+                security=security,
                 stop=stop,
                 on_ready=ready,
             )

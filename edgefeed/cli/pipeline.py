@@ -95,6 +95,7 @@ def run(
             config.kafka.bootstrap_servers,
             topics,
             replication_factor=settings.pipeline.replication_factor,
+            client_options=settings.kafka.security.aiokafka_options(),
         )
     )
     from prometheus_client import REGISTRY, start_http_server
@@ -156,6 +157,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
             client_id=settings.kafka.client_id,
             request_timeout_ms=settings.sites.request_timeout_ms,
             from_beginning=from_beginning,
+            kafka_options=settings.kafka.security.aiokafka_options(),
         )
     )
     log = logging.getLogger("edgefeed.forward")
@@ -168,6 +170,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
             settings.kafka.bootstrap_servers,
             {names.region_topic(region): pipeline.partitions},
             replication_factor=pipeline.replication_factor,
+            client_options=settings.kafka.security.aiokafka_options(),
         )
         await forwarder.retrying(forwarder.ensure_target_topic, "create its topic there")
         ready = asyncio.Event()

@@ -125,8 +125,14 @@ def _worker_settings(**overrides: Any) -> Any:
     try:
         return WorkerSettings(**given)
     except ValidationError as exc:
+        # Echo a bad value only for a named field that holds no secret.
         problems = "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+            + (
+                f" (got {e.get('input')!r})"
+                if e["loc"] and not any("token" in str(part) for part in e["loc"])
+                else ""
+            )
             for e in exc.errors()
         )
         fail(WorkerConfigError(f"invalid worker option: {problems}"))
@@ -168,6 +174,17 @@ def serve(
     ] = None,
     input_dtype: Annotated[str, typer.Option(help="For --model-file: input dtype.")] = "float32",
     labels: Annotated[str | None, typer.Option(help="Classifier labels, comma-separated.")] = None,
+    auth_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the bearer token every request but /healthz and /readyz must "
+            "send (or set EDGEFEED_WORKERS_AUTH_TOKEN; never on the command line)."
+        ),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate chain: serve HTTPS (with --tls-key).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert.")] = None,
 ) -> None:
     """Serve one model over HTTP until SIGINT/SIGTERM, then drain."""
     from prometheus_client import CollectorRegistry
@@ -184,6 +201,9 @@ def serve(
         max_queue_delay_ms=max_queue_delay_ms,
         max_queue_size=max_queue_size,
         default_deadline_ms=deadline_ms,
+        auth_token_file=auth_token_file,
+        tls_cert_file=tls_cert,
+        tls_key_file=tls_key,
     )
     # the composition root: one registry for the worker's and its lookup client's metrics
     registry = CollectorRegistry()
@@ -209,11 +229,20 @@ def serve(
             registry=registry,
         )
     )
+    security = ", ".join(
+        what
+        for what, on in (
+            ("bearer token", server.config.auth_token is not None),
+            ("TLS", server.config.tls_cert_file is not None),
+        )
+        if on
+    )
 
     def announce(running: InferenceServer) -> None:
         err_console.print(
             f"serving {model!r} for region {region!r} at {running.url} "
-            f"(warm-up ms per batch size: {running.warmup_ms[model]})",
+            f"(warm-up ms per batch size: {running.warmup_ms[model]}"
+            f"{'; ' + security if security else ''})",
             soft_wrap=True,
         )
 
@@ -244,13 +273,20 @@ def print_bench(summary: dict[str, Any], title: str) -> None:
 
 
 async def _bench(
-    url: str, model: str, concurrency: int, requests: int, deadline_ms: float | None, items: int
+    url: str,
+    model: str,
+    concurrency: int,
+    requests: int,
+    deadline_ms: float | None,
+    items: int,
+    token: Any = None,
+    ca_file: Path | None = None,
 ) -> dict[str, Any]:
     from workers.bench import closed_loop
     from workers.client import InferenceAnswer, WorkerClient
     from workers.synthetic import click_world, shape_images
 
-    async with WorkerClient(url) as client:
+    async with WorkerClient(url, token=token, ca_file=ca_file) as client:
         info = await client.models()
         described = {entry["name"]: entry for entry in info["models"]}
         if model not in described:
@@ -322,6 +358,17 @@ def bench(
     items: Annotated[int, typer.Option(min=1, help="Candidates per ranking request.")] = 20,
     max_batch_size: Annotated[int | None, typer.Option(help="For the local worker.")] = None,
     precision: Annotated[str | None, typer.Option(help="For the local worker.")] = None,
+    auth_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --url: file holding the worker's bearer token "
+            "(or set EDGEFEED_WORKERS_AUTH_TOKEN)."
+        ),
+    ] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(help="With an https --url: PEM certificate or CA to trust (self-signed)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Closed-loop load; print T_network, T_data, T_model, T_service and T_total (p50/p95/p99)."""
@@ -334,8 +381,12 @@ def bench(
     if url is not None:
         import aiohttp
 
+        client_settings = _worker_settings(auth_token_file=auth_token_file)
+        token = run_reported(client_settings.token)
         try:
-            summary = run_reported(lambda: asyncio.run(_bench(url, model, **kwargs)))
+            summary = run_reported(
+                lambda: asyncio.run(_bench(url, model, token=token, ca_file=ca_file, **kwargs))
+            )
         except aiohttp.ClientError as exc:
             err_console.print(f"[bold red]error:[/] worker at {url} unreachable: {exc}")
             raise typer.Exit(1) from None

@@ -10,6 +10,7 @@ __all__ = [
     "NotLoopbackError",
     "PortInUseError",
     "ServiceStartError",
+    "UnsupportedLocallyError",
 ]
 
 
@@ -30,6 +31,13 @@ class PortInUseError(DevStackError, ValueError):
 class NotLoopbackError(DevStackError, ValueError):
     """A setting points a local service at an address other than loopback; the
     local stack listens on loopback only. Not retryable: fix the setting."""
+
+
+class UnsupportedLocallyError(DevStackError, ValueError):
+    """The settings ask for something the local stack's services cannot do (Kafka
+    SASL or TLS: the local broker, Tansu 0.6.0, cannot serve them). Not
+    retryable: run the local stack with ``kafka.security.protocol: PLAINTEXT``, or
+    run against a broker that supports it (docker compose runs Apache Kafka)."""
 
 
 class ServiceStartError(DevStackError):

@@ -34,7 +34,6 @@ __all__ = [
 
 LOOPBACK = "127.0.0.1"
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, with the terminating NUL
-_PROVIDERS = "org.apache.kafka.common.config.provider"
 
 
 @dataclass(slots=True)
@@ -337,6 +336,7 @@ class ConnectService(Service):
     bootstrap: str = ""
     group_id: str = "edgefeed-connect"
     heap: str = "384m"
+    providers: dict[str, str] = field(default_factory=dict)
     kind: str = field(default="kafka-connect", init=False)
 
     def prepare(self) -> None:
@@ -370,10 +370,9 @@ class ConnectService(Service):
             "producer.enable.metrics.push": "false",
             "consumer.enable.metrics.push": "false",
             "admin.enable.metrics.push": "false",
-            "config.providers": "env,file,dir",
-            "config.providers.env.class": f"{_PROVIDERS}.EnvVarConfigProvider",
-            "config.providers.file.class": f"{_PROVIDERS}.FileConfigProvider",
-            "config.providers.dir.class": f"{_PROVIDERS}.DirectoryConfigProvider",
+            # Config providers: only those the settings use, each limited to
+            # what the connector reads (connectors.config.worker_provider_properties).
+            **self.providers,
         }
         (self.home / "worker.properties").write_text(
             "".join(f"{key}={value}\n" for key, value in props.items())

@@ -19,12 +19,14 @@ from typing import Literal
 
 import redis
 
+from connectors.config import worker_provider_properties
 from edgefeed.devstack import binaries
 from edgefeed.devstack.exceptions import (
     DevStackError,
     NotLoopbackError,
     PortInUseError,
     ServiceStartError,
+    UnsupportedLocallyError,
 )
 from edgefeed.devstack.process import port_in_use, read_pid, spawn, stop_pid
 from edgefeed.devstack.services import (
@@ -127,6 +129,13 @@ class DevStack:
         bootstrap = settings.kafka.bootstrap_servers[0]
         host, _, port = bootstrap.rpartition(":")
         _loopback(host, "kafka.bootstrap_servers", bootstrap)
+        if settings.kafka.security.protocol != "PLAINTEXT":
+            raise UnsupportedLocallyError(
+                f"kafka.security.protocol is {settings.kafka.security.protocol}, but the local "
+                "broker (Tansu 0.6.0) cannot authenticate clients or speak TLS (its --cert and "
+                "--key cannot be given together; --authentication refuses the command that "
+                "creates users); use PLAINTEXT for `edgefeed dev up`, see docs/security.md"
+            )
         services.append(
             BrokerService(
                 "broker",
@@ -198,6 +207,7 @@ class DevStack:
                     start_timeout_s=120,
                     depends_on=("broker",),
                     bootstrap=f"127.0.0.1:{port}",
+                    providers=worker_provider_properties(self.settings.database),
                 )
             )
         links = settings.sites.link_specs()

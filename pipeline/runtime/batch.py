@@ -74,13 +74,16 @@ class RegionBatch:
 
     def due(self, now: float) -> bool:
         """True once the batch should be flushed."""
+        due_at = self.due_at()
+        return due_at is not None and now >= due_at
+
+    def due_at(self) -> float | None:
+        """When the open batch falls due by age (now, when full); None when none is open."""
         if self.opened_at is None:
-            return False
+            return None
         if self.changes >= self.policy.max_changes:
-            return True
-        return now - self.opened_at >= max(
-            self.policy.within_s, self.policy.catch_up * self.last_flush_s
-        )
+            return self.opened_at
+        return self.opened_at + max(self.policy.within_s, self.policy.catch_up * self.last_flush_s)
 
     def close(self) -> ClosedBatch:
         """Take the batch for flushing; a new one opens with the next message."""

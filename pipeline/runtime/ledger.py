@@ -87,7 +87,15 @@ class CheckpointLedger:
     def due(self, now: float) -> bool:
         """True when a checkpoint should start: messages wait, the interval has passed,
         and none is running."""
-        return bool(self.ready) and self.running is None and now - self.last_at >= self.interval_s
+        due_at = self.due_at()
+        return due_at is not None and now >= due_at
+
+    def due_at(self) -> float | None:
+        """When the next checkpoint falls due; None while nothing waits for one (or one
+        is running: its end is the next event)."""
+        if not self.ready or self.running is not None:
+            return None
+        return self.last_at + self.interval_s
 
     def begin(self, now: float) -> Checkpoint:
         """Take what the next checkpoint writes and acks.

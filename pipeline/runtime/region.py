@@ -23,6 +23,7 @@ idempotently (every state change carries its source position).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -46,6 +47,7 @@ log = logging.getLogger("edgefeed.pipeline")
 CHECKPOINT_SLICE = 16  # entity states written between yields to the event loop
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # backoff while the cache is unavailable
 INTACT_CHECK_S = 5.0  # how often the worker checks that its cache kept its data
+IDLE_TICK_S = 1.0  # longest sleep of the duty loop (wait_for_duty)
 REFILL_SLICE = 500  # vectors per write when refilling a cache that lost its data
 
 
@@ -179,6 +181,7 @@ class RegionRuntime:
         self._to_list: set[str] = set()
         self._to_release: set[str] = set()
         self._next_intact_check = clock() + INTACT_CHECK_S
+        self._wake = asyncio.Event()  # set: the next duty may be earlier than thought
         self.retry_first_s, self.retry_max_s = RETRY_FIRST_S, RETRY_MAX_S
         self._written = {
             flag: metrics.cache_writes.labels(region, str(flag).lower()) for flag in (True, False)
@@ -196,6 +199,8 @@ class RegionRuntime:
     async def on_message(self, delivery: Delivery, value: bytes) -> None:
         """Apply one regional message (a pack of changes, or one change)."""
         self.ledger.received(delivery)
+        if self.batch.opened_at is None:
+            self._wake.set()  # a batch opens: its due time is the next duty
         try:
             entries, is_pack = decode_pack(value)
         except PoisonEventError as exc:
@@ -262,15 +267,35 @@ class RegionRuntime:
     # -- batches -------------------------------------------------------------------------------
 
     async def tick(self) -> None:
-        """Timer: close a batch no further message will close (the stream went quiet),
+        """Close a batch no further message will close (the stream went quiet),
         checkpoint once the interval has passed, and now and then check that the cache
         still holds what was written."""
         now = self.clock()
         if self.batch.due(now) or self.ledger.due(now):
             await self.flush()
-        if now >= self._next_intact_check and not self._flush_lock.locked():
-            self._next_intact_check = now + INTACT_CHECK_S
-            await self.check_cache()
+        if now >= self._next_intact_check:
+            if self._flush_lock.locked():  # a write is retrying: ask again soon
+                self._next_intact_check = now + IDLE_TICK_S
+            else:
+                self._next_intact_check = now + INTACT_CHECK_S
+                await self.check_cache()
+
+    def seconds_to_duty(self) -> float:
+        """How long :meth:`tick` has nothing to do: until the open batch falls due, the
+        next checkpoint, or the next cache check, and at most :data:`IDLE_TICK_S`."""
+        now = self.clock()
+        times = [self._next_intact_check, now + IDLE_TICK_S]
+        times += [t for t in (self.batch.due_at(), self.ledger.due_at()) if t is not None]
+        return max(0.0, min(times) - now)
+
+    async def wait_for_duty(self) -> None:
+        """Sleep until :meth:`tick` has something to do, or a message or a flush changed
+        when that is (an idle worker wakes once a second, not once per batch window)."""
+        delay = self.seconds_to_duty()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+        self._wake.clear()
 
     async def check_cache(self) -> bool:
         """Refill the cache if it lost its data; True if it had to."""
@@ -326,6 +351,7 @@ class RegionRuntime:
                 self.batch.flushed(elapsed)
                 self._batch_sizes.observe(closed.changes)
                 self._batch_seconds.observe(elapsed)
+                self._wake.set()  # messages await a checkpoint: its due time changed
             await self._report_quarantine()
             if self.ledger.due(self.clock()) and not self._checkpoint_lock.locked():
                 self._checkpoint_task = asyncio.ensure_future(self._checkpoint_or_fail())
@@ -435,6 +461,7 @@ class RegionRuntime:
                 raise
             for delivery in self.ledger.complete(checkpoint):
                 await self.acker.ack(delivery)
+            self._wake.set()  # the next checkpoint's due time is known now
 
     async def _store(self, checkpoint: Checkpoint) -> None:
         states = checkpoint.states

@@ -139,7 +139,11 @@ async def test_batched_ranking_equals_unbatched_ranking(
     results = {}
     for name, batching in (
         ("alone", BatchingConfig(max_batch_size=4)),
-        ("batched", BatchingConfig(max_batch_size=32, max_queue_delay_s=0.05)),
+        # a fixed 50 ms window, so that the 20 concurrent requests surely share batches
+        (
+            "batched",
+            BatchingConfig(max_batch_size=32, max_queue_delay_s=0.05, adaptive_delay=False),
+        ),
     ):
         async with (
             InferenceServer([_ranker(workers_redis_url)], batching=batching) as server,

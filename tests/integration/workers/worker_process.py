@@ -35,7 +35,7 @@ class WorkerProcess:
 
     @property
     def host_port(self) -> tuple[str, int]:
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        host, port = self.url.split("://", 1)[1].rsplit(":", 1)
         return host, int(port)
 
     def peak_rss_bytes(self) -> int:
@@ -92,7 +92,7 @@ def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[Wo
     )
     assert process.stderr is not None
     first = process.stderr.readline()
-    if " at http://" not in first:
+    if " at http" not in first:
         process.kill()
         rest = process.stderr.read()
         process.wait()

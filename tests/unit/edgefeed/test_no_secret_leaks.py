@@ -1,7 +1,10 @@
 """No secret appears in any output, log or exception of any ``edgefeed`` command.
 
 Every secret setting (the database password inline, from the environment, from
-a file; the Redis URLs' passwords; the Connect URL's userinfo) holds a marker.
+a file; the replication role's password; the Redis URLs' passwords; the Redis
+ACL users' passwords; the Connect URL's userinfo; the exporter's bearer token;
+the model worker's bearer token, from the environment and from a file) holds
+a marker.
 Every subcommand runs as a real process against services that are not there
 (closed loopback ports), plus the error paths of bad settings files; the marker
 must be in no stdout, stderr or served page. Nothing here needs a running stack.
@@ -39,6 +42,11 @@ REDIS_PASSWORD = "S3cr3t-M4rker-redis"
 REDIS_USER_PASSWORD = "S3cr3t M4rker/redis@x"  # needs URL quoting
 CONNECT_USERINFO = "admin:S3cr3t-M4rker-connect"
 ENV_PASSWORD = "S3cr3t-M4rker-env"
+REDIS_READER_PASSWORD = "S3cr3t M4rker-reader"
+REDIS_WRITER_PASSWORD = "S3cr3t-M4rker-writer"
+EXPORTER_TOKEN = "S3cr3t-M4rker-exporter-token"
+REPLICATION_PASSWORD = "S3cr3t M4rker-cdc"
+WORKER_TOKEN = "S3cr3t-M4rker-worker-token"  # the model worker's bearer token (env or file)
 
 # Every leaf command: the marker test must know how to run each one.
 COMMANDS = {
@@ -114,7 +122,7 @@ def _assert_clean(text: str, what: str) -> None:
 
 def _settings_yaml(*, database: str, remote: bool = False) -> str:
     kafka, pg, connect = _closed_port(), _closed_port(), _closed_port()
-    redis_a, redis_b = _closed_port(), _closed_port()
+    redis_a, redis_b, redis_c = _closed_port(), _closed_port(), _closed_port()
     host = "cache.example.invalid" if remote else "127.0.0.1"
     return f"""
 kafka: {{bootstrap_servers: "127.0.0.1:{kafka}", client_id: edgefeed}}
@@ -129,6 +137,11 @@ regions:
   - name: us-east
     redis_url: "redis://edge:{quote(REDIS_USER_PASSWORD, safe="")}@127.0.0.1:{redis_b}/0"
     residency_zone: us
+  - name: ap-south
+    redis_url: "redis://127.0.0.1:{redis_c}/0"
+    residency_zone: apac
+    reader: {{username: edgefeed-lookup, password: "{REDIS_READER_PASSWORD}"}}
+    writer: {{username: edgefeed-writer, password_env: EF_TEST_REDIS_WRITER}}
 sources:
   - name: shop
     tables: [{{name: public.users, key: [user_id], home_region_column: home_region,
@@ -150,13 +163,16 @@ class Case:
     path: str | None = None
     body: bytes | None = None
     in_process: bool = False
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _invoke(case: Case, env: dict[str, str]) -> str:
     """Run ``case`` in this process; its output and any traceback."""
     import traceback
 
-    result = CliRunner().invoke(app, ["--settings", case.settings, *case.args], env=env)
+    result = CliRunner().invoke(
+        app, ["--settings", case.settings, *case.args], env={**env, **dict(case.env)}
+    )
     shown = result.output
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         shown += "".join(traceback.format_exception(result.exception))
@@ -168,6 +184,8 @@ def _env(tmp: Path) -> dict[str, str]:
     env.update(
         EF_TEST_PG_PASSWORD=ENV_PASSWORD,
         EF_TEST_PG_PASSWORD_BY_NAME=ENV_PASSWORD,
+        EF_TEST_REDIS_WRITER=REDIS_WRITER_PASSWORD,
+        EF_TEST_EXPORTER_TOKEN=EXPORTER_TOKEN,
         EDGEFEED_STATE_DIR=str(tmp / "state"),
         PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])),
         COLUMNS="200",
@@ -185,7 +203,7 @@ def _run(case: Case, env: dict[str, str], deadline_s: float = 90.0) -> str:
     ]
     with subprocess.Popen(
         argv,
-        env=env,
+        env={**env, **dict(case.env)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -233,7 +251,8 @@ def settings_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     secret_file = tmp / "pg-password"
     secret_file.write_text(PG_PASSWORD + "\n")
     variants = {
-        "inline": f'  password: "{PG_PASSWORD.replace(chr(92), chr(92) * 2)}"',
+        "inline": f'  password: "{PG_PASSWORD.replace(chr(92), chr(92) * 2)}"\n'
+        f'  replication: {{user: edgefeed_cdc, password: "{REPLICATION_PASSWORD}"}}',
         "env": '  password: "${EF_TEST_PG_PASSWORD}"',
         "file": f"  password_file: {secret_file}",
         "env-name": "  password_env: EF_TEST_PG_PASSWORD_BY_NAME",
@@ -263,6 +282,9 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     )
     state = ("--state-dir", str(tmp_path / "state"))
     bench_url = f"http://127.0.0.1:{_closed_port()}"
+    token_file = tmp_path / "worker-token"
+    token_file.write_text(WORKER_TOKEN + "\n")
+    token_env = (("EDGEFEED_WORKERS_AUTH_TOKEN", WORKER_TOKEN),)
     cases = [
         Case(inline, ("lag", "--samples", "1", "--interval", "0.1")),
         Case(env_file, ("lag", "--json", "--samples", "1", "--interval", "0.1")),
@@ -275,10 +297,65 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         ),
         Case(
             inline,
+            ("exporter", "--port", "0", "--token-env", "EF_TEST_EXPORTER_TOKEN"),
+            until="serving",
+            path="/metrics",  # answered 401: the body must not echo the token
+        ),
+        Case(
+            inline,
             ("workers", "serve", "--model", "ranker", "--region", "eu-west", "--port", "0"),
             until="serving",
             path="/v1/models/ranker/infer",
             body=b'{"user_id": "u1", "item_ids": ["i1", "i2"]}',
+        ),
+        # The worker's bearer token: a refused request, a token given twice, a bench client.
+        Case(
+            inline,
+            (
+                "workers",
+                "serve",
+                "--model",
+                "image-classifier",
+                "--region",
+                "eu-west",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+            ),
+            until="serving",
+            path="/v1/models/image-classifier/infer",
+            body=b"{}",
+            env=token_env,
+        ),
+        Case(
+            inline,
+            (
+                "workers",
+                "serve",
+                "--model",
+                "image-classifier",
+                "--region",
+                "eu-west",
+                "--auth-token-file",
+                str(token_file),
+            ),
+            env=token_env,
+            in_process=True,
+        ),
+        Case(
+            inline,
+            (
+                "workers",
+                "bench",
+                "--url",
+                bench_url,
+                "--requests",
+                "1",
+                "--auth-token-file",
+                str(token_file),
+            ),
+            in_process=True,
         ),
         Case(inline, ("connectors", "plan")),
         Case(settings_files["file"], ("connectors", "plan", "--json"), in_process=True),

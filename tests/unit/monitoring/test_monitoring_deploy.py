@@ -14,6 +14,7 @@ import typer
 import yaml
 from jsonschema import Draft202012Validator
 
+from connectors.config import worker_provider_properties
 from edgefeed.cli import app
 from edgefeed.settings import EdgefeedSettings, load_settings
 from monitoring import METRIC_NAMES
@@ -64,7 +65,10 @@ def test_no_secret_inline_and_every_variable_in_env_example(compose: dict[str, A
     for name, service in compose["services"].items():
         for key, value in (service.get("environment") or {}).items():
             if any(word in key.upper() for word in ("PASSWORD", "SECRET", "TOKEN")):
-                assert str(value).startswith("${"), f"{name}: {key} is inline"
+                # a secret is a file under /run/secrets (Compose secrets), never a value
+                assert key.endswith("FILE") and str(value).startswith("/run/secrets/"), (
+                    f"{name}: {key} is not a Compose secret file"
+                )
 
 
 def test_every_bind_mount_and_build_file_exists(compose: dict[str, Any]) -> None:
@@ -110,10 +114,15 @@ def test_settings_agree_with_the_services(
     assert settings.database.host == "postgres" and settings.database.port == 5432
     assert pg["environment"]["POSTGRES_DB"] == settings.database.dbname
     assert pg["environment"]["POSTGRES_USER"] == settings.database.user
-    # The password travels by name: both edgefeed and Connect have the variable.
-    assert settings.database.password_env == "EDGEFEED_PG_PASSWORD"
-    assert "EDGEFEED_PG_PASSWORD" in services["connect"]["environment"]
-    assert services["connect"]["environment"]["CONNECT_CONFIG_PROVIDERS"] == "env"
+    # Passwords are Compose secrets: the admin's for PostgreSQL itself; Connect
+    # reads only the replication role's, through an allow-listed provider.
+    assert settings.database.password_file == Path("/run/secrets/pg_password")
+    assert pg["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/pg_password"
+    assert settings.database.replication is not None
+    assert services["connect"]["secrets"] == ["cdc_password"]
+    connect_env = services["connect"]["environment"]
+    for key, value in worker_provider_properties(settings.database).items():
+        assert connect_env["CONNECT_" + key.upper().replace(".", "_")] == value
     for region in settings.regions:
         url = urlsplit(region.redis_url)
         assert url.hostname == f"redis-{region.name}" and url.port == 6379

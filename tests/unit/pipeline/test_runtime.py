@@ -508,3 +508,46 @@ async def test_a_cache_that_lost_its_data_is_refilled_from_the_states() -> None:
     assert await runtime.check_cache()
     assert cache.vectors["user:7"]["views_30m"] == 1 and cache.vectors["user:8"]["views_30m"] == 1
     assert not await runtime.check_cache()  # intact again: nothing rewritten
+
+
+# -- the duty loop: an idle worker sleeps, a message wakes it -----------------------------
+
+
+async def _settle() -> None:
+    for _ in range(10):  # let woken tasks run (no time passes on the test clock)
+        await asyncio.sleep(0)
+
+
+async def test_an_idle_worker_sleeps_a_second_and_a_message_wakes_it_for_its_batch() -> None:
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    assert runtime.seconds_to_duty() == pytest.approx(1.0)  # nothing open: the idle tick
+    waiter = asyncio.ensure_future(runtime.wait_for_duty())
+    await _settle()
+    assert not waiter.done()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    await _settle()
+    assert waiter.done()  # woken at once, not after the idle second
+    assert runtime.seconds_to_duty() == pytest.approx(0.02)  # the batch window
+    clock.now += 0.02
+    assert runtime.seconds_to_duty() == 0
+    await runtime.tick()
+    assert cache.vectors["user:7"]["views_30m"] == 1
+    assert acked(journal) == []  # written: the checkpoint is the next duty
+    assert runtime.seconds_to_duty() == pytest.approx(1.0 - 0.02)
+    clock.now += 0.98
+    await runtime.tick()
+    await _settle()
+    assert acked(journal) == [1]
+    assert runtime.seconds_to_duty() == pytest.approx(1.0)  # idle again
+
+
+async def test_a_cache_check_skipped_during_a_retrying_write_is_asked_again_soon() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    clock.now += 5.0  # the cache check is due
+    async with runtime._flush_lock:  # a write is retrying
+        await runtime.tick()
+        assert runtime.seconds_to_duty() == pytest.approx(1.0)  # not 0: no busy loop
+    clock.now += 1.0
+    cache.lost = True
+    await runtime.tick()
+    assert not cache.lost  # checked now that the lock is free

@@ -25,7 +25,9 @@ def _row(value: float) -> np.ndarray:
 async def test_full_queue_answers_429_with_retry_after_and_admitted_requests_complete(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
-    config = BatchingConfig(max_batch_size=1, max_queue_size=4, max_queue_delay_s=0.0)
+    config = BatchingConfig(
+        max_batch_size=1, max_queue_size=4, max_queue_delay_s=0.0, inline_forward_s=0
+    )
     async with (
         InferenceServer([gated_model], batching=config) as server,
         WorkerClient(server.url) as client,
@@ -78,7 +80,7 @@ async def test_request_that_cannot_meet_its_deadline_is_refused_at_admission() -
 async def test_queued_request_whose_deadline_passes_is_refused_not_served_late(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
-    config = BatchingConfig(max_batch_size=1, max_queue_delay_s=0.0)
+    config = BatchingConfig(max_batch_size=1, max_queue_delay_s=0.0, inline_forward_s=0)
     async with (
         InferenceServer([gated_model], batching=config) as server,
         WorkerClient(server.url) as client,
@@ -124,7 +126,7 @@ async def test_invalid_deadline_header_is_a_400(gated_model: TensorModel) -> Non
 async def test_drain_finishes_queued_requests_and_refuses_new_ones(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
-    config = BatchingConfig(max_batch_size=2, max_queue_delay_s=0.0)
+    config = BatchingConfig(max_batch_size=2, max_queue_delay_s=0.0, inline_forward_s=0)
     server = InferenceServer(
         [gated_model], batching=config, config=ServerConfig(drain_timeout_s=30)
     )

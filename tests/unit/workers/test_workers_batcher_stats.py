@@ -22,7 +22,7 @@ def test_batcher_stats_hold_only_counters() -> None:
 async def test_rows_add_up_over_batches_and_show_in_the_models_listing(
     gated: GatedDouble, gated_model: TensorModel
 ) -> None:
-    config = BatchingConfig(max_batch_size=8, max_queue_delay_s=0.0)
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_s=0.0, inline_forward_s=0)
     async with (
         InferenceServer([gated_model], batching=config) as server,
         WorkerClient(server.url) as client,

@@ -37,7 +37,7 @@ async def test_batched_results_equal_unbatched_results() -> None:
     images, _ = shape_images(48, seed=HELD_OUT_SEED)
     alone, alone_rows = await _classify_all(BatchingConfig(max_batch_size=1), images)
     batched, batched_rows = await _classify_all(
-        BatchingConfig(max_batch_size=16, max_queue_delay_s=0.05), images
+        BatchingConfig(max_batch_size=16, max_queue_delay_s=0.05, adaptive_delay=False), images
     )
     assert set(alone_rows) == {1}
     assert max(batched_rows) > 1, "48 concurrent requests never shared a batch"
@@ -60,7 +60,7 @@ def test_runner_splits_rows_back_per_request() -> None:
 async def test_requests_with_several_rows_batch_and_come_back_in_order(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
-    config = BatchingConfig(max_batch_size=8, max_queue_delay_s=0.0)
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_s=0.0, inline_forward_s=0)
     async with (
         InferenceServer([gated_model], batching=config) as server,
         WorkerClient(server.url) as client,
@@ -86,7 +86,9 @@ async def test_preferred_batch_size_goes_without_waiting_for_the_queue_delay(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
     # A one-hour queue delay: only the preferred size can make the batch go.
-    config = BatchingConfig(max_batch_size=8, preferred_batch_sizes=(2,), max_queue_delay_s=3600)
+    config = BatchingConfig(
+        max_batch_size=8, preferred_batch_sizes=(2,), max_queue_delay_s=3600, inline_forward_s=0
+    )
     async with (
         InferenceServer([gated_model], batching=config) as server,
         WorkerClient(server.url) as client,
@@ -100,7 +102,7 @@ async def test_preferred_batch_size_goes_without_waiting_for_the_queue_delay(
 async def test_failing_batch_fails_only_its_own_requests(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
-    config = BatchingConfig(max_batch_size=2, max_queue_delay_s=0.0)
+    config = BatchingConfig(max_batch_size=2, max_queue_delay_s=0.0, inline_forward_s=0)
     async with (
         InferenceServer([gated_model], batching=config) as server,
         WorkerClient(server.url) as client,

@@ -1,0 +1,217 @@
+"""The exporter's HTTP endpoint: loopback by default, optional bearer token and TLS.
+
+prometheus_client's ``start_http_server`` can do TLS but not authentication, and
+it runs the TLS handshake in its accept loop, so one client that opens a
+connection and never finishes the handshake stalls every scrape. Here the
+standard library's threading WSGI server serves prometheus_client's WSGI app
+behind a token check; the handshake runs in the connection's own thread (which
+times out), never in the accept loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+from prometheus_client.registry import CollectorRegistry
+
+from monitoring.exceptions import MonitoringConfigError
+
+__all__ = ["EndpointSecurity", "is_loopback", "start_endpoint"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a connection may take to finish its TLS handshake and send a request.
+CONNECTION_TIMEOUT_S = 10.0
+
+_StartResponse = Callable[..., Any]
+_WsgiApp = Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSecurity:
+    """Who may scrape, and over what.
+
+    Attributes:
+        token: Scrapers must send ``Authorization: Bearer <token>``; None: no auth.
+        certfile: PEM certificate chain; with ``keyfile``, the endpoint speaks TLS only.
+        keyfile: PEM private key of ``certfile``.
+    """
+
+    token: str | None = field(default=None, repr=False)
+    certfile: Path | None = None
+    keyfile: Path | None = None
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        token_file: Path | None = None,
+        token_env: str | None = None,
+        certfile: Path | None = None,
+        keyfile: Path | None = None,
+    ) -> EndpointSecurity:
+        """Read the token from a file or a named environment variable; check the TLS pair.
+
+        Raises:
+            MonitoringConfigError: both or an empty token source, a missing or
+                unreadable file, a token that is not one printable word, a
+                certificate without its key (or the reverse).
+        """
+        if token_file is not None and token_env is not None:
+            raise MonitoringConfigError("give the token by --token-file or --token-env, not both")
+        token: str | None = None
+        if token_file is not None:
+            try:
+                token = token_file.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise MonitoringConfigError(
+                    f"cannot read the token file {token_file} ({reason}); "
+                    "point --token-file at a readable file holding the token"
+                ) from None
+            where = f"token file {token_file}"
+        elif token_env is not None:
+            token = os.environ.get(token_env, "").strip()
+            where = f"environment variable {token_env}"
+        if token is not None:
+            if not token:
+                raise MonitoringConfigError(f"the {where} holds no token; put the token there")
+            if not all(33 <= ord(c) < 127 for c in token):
+                # The value itself is never shown: it is a secret.
+                raise MonitoringConfigError(
+                    f"the token in the {where} must be one word of printable ASCII "
+                    "(it travels in an HTTP header)"
+                )
+        if (certfile is None) != (keyfile is None):
+            raise MonitoringConfigError(
+                "TLS needs both --tls-cert and --tls-key (or neither for plain HTTP)"
+            )
+        return cls(token=token, certfile=certfile, keyfile=keyfile)
+
+    @property
+    def tls(self) -> bool:
+        return self.certfile is not None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A server context (TLS 1.2 or newer), or None without TLS.
+
+        Raises:
+            MonitoringConfigError: the certificate or key cannot be loaded.
+        """
+        if self.certfile is None or self.keyfile is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise MonitoringConfigError(
+                f"cannot load the TLS certificate {self.certfile} with key {self.keyfile} "
+                f"({reason}); give a PEM certificate chain and its private key"
+            ) from None
+        return context
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _require_token(app: _WsgiApp, token: str) -> _WsgiApp:
+    expected = token.encode("ascii")
+
+    def guarded(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        scheme, _, presented = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        # compare_digest: the time taken does not depend on how much of the token matched.
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            presented.strip().encode("latin-1", "replace"), expected
+        ):
+            return app(environ, start_response)
+        body = b"401 Unauthorized: send Authorization: Bearer <token>\n"
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("Content-Length", str(len(body))),
+                ("WWW-Authenticate", 'Bearer realm="edgefeed-exporter"'),
+            ],
+        )
+        return [body]
+
+    return guarded
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S  # a slow or silent client frees its thread
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # no access log (prometheus_client's server keeps none either)
+
+
+def _server_class(host: str, context: ssl.SSLContext | None) -> type[WSGIServer]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = family
+
+        def get_request(self) -> tuple[socket.socket, Any]:
+            sock, addr = self.socket.accept()
+            if context is not None:
+                # The handshake happens on the first read, in the connection's thread.
+                sock.settimeout(CONNECTION_TIMEOUT_S)
+                sock = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            return sock, addr
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # A failed handshake, a plain-HTTP client on the TLS port, a client
+            # gone mid-request: the client's problem, not a traceback on stderr.
+            log.debug("connection from %s failed", client_address, exc_info=True)
+
+    return Server
+
+
+def start_endpoint(
+    registry: CollectorRegistry,
+    *,
+    host: str,
+    port: int,
+    security: EndpointSecurity,
+) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``registry`` on ``/metrics`` (and ``/``) from a daemon thread.
+
+    Raises:
+        MonitoringConfigError: the address cannot be bound, or the TLS files are bad.
+    """
+    context = security.ssl_context()
+    app: _WsgiApp = make_wsgi_app(registry)
+    if security.token is not None:
+        app = _require_token(app, security.token)
+    try:
+        server = make_server(host, port, app, _server_class(host, context), _Handler)
+    except OSError as exc:
+        raise MonitoringConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --host/--port"
+        ) from None
+    thread = threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True)
+    thread.start()
+    return server, thread
