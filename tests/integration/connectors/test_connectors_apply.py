@@ -85,7 +85,7 @@ async def test_example_settings_stream_inserts_updates_and_deletes(
     source = settings.source("shop")
     pg_conn.execute((ROOT / "edgefeed" / "data" / "shop_schema.sql").read_text())
     cleanup(source)
-    changes = deploy.apply(client, settings.database, settings.sources, wait_s=90)
+    changes = deploy.apply(client, settings.database, settings.sources, wait_s=240)
     assert [(c.name, c.action) for c in changes] == [("edgefeed-shop", "create")]
 
     pg_conn.execute(
@@ -129,14 +129,14 @@ def test_changed_option_is_an_update_and_plan_shows_manual_drift(
     table = make_table("prices", "id bigint PRIMARY KEY, price numeric(10,2)")
     source = make_source(table)
     cleanup(source)
-    deploy.apply(client, db, [source], wait_s=90)
+    deploy.apply(client, db, [source], wait_s=240)
 
     changed = source.model_copy(update={"poll_interval_ms": 25})
     planned = deploy.plan(client, db, [changed])
     assert [(c.action, dict(c.changed)) for c in planned] == [
         ("update", {"poll.interval.ms": ("50", "25")})
     ]
-    deploy.apply(client, db, [changed], wait_s=90)
+    deploy.apply(client, db, [changed], wait_s=240)
     config = client.get_config(source.connector_name)
     assert config is not None and config["poll.interval.ms"] == "25"
 
@@ -167,7 +167,7 @@ def test_bad_password_is_reported_with_connects_reason_and_nothing_applied(
     cleanup(source)
     checking = ConnectClient(devstack.settings.connect.url, timeout_s=30, secrets=[wrong])
     with pytest.raises((ConnectorInvalidError, ConnectorFailedError)) as info:
-        deploy.apply(checking, db, [source], wait_s=60)
+        deploy.apply(checking, db, [source], wait_s=240)
     message = str(info.value)
     assert "password authentication failed" in message
     assert wrong not in message
@@ -218,7 +218,7 @@ def _edgefeed(settings_file: Path, *args: str) -> subprocess.CompletedProcess[st
         [str(exe), "--settings", str(settings_file), "connectors", *args],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=300,
         check=False,
     )
 
@@ -246,7 +246,7 @@ def test_cli_plan_apply_status_exit_codes(
     assert PG_PASSWORD not in planned.stdout
     assert "********" in planned.stdout
 
-    applied = _edgefeed(settings_file, "apply", "--wait", "90")
+    applied = _edgefeed(settings_file, "apply", "--wait", "240")
     assert applied.returncode == 0, applied.stderr
     assert f"created {source.connector_name}" in " ".join(applied.stdout.split())
 

@@ -182,13 +182,13 @@ def test_unreachable_cluster_region_fails_over(
     dead = cluster_region.model_copy(
         update={"redis_url": f"redis://127.0.0.1:{black_hole.port}/0", "failover": ["us-east"]}
     )
-    with FeatureClient("eu-west", [dead, regions[1]], [ITEM], timeout_s=0.2) as client:
+    with FeatureClient("eu-west", [dead, regions[1]], [ITEM], timeout_s=1.0) as client:
         assert client.get("item", ["sku"]).region == "us-east"
     cluster_backup = cluster_region.model_copy(update={"name": "us-east", "residency_zone": "us"})
     home = regions[0].model_copy(
         update={"redis_url": f"redis://127.0.0.1:{black_hole.port}/0", "failover": ["us-east"]}
     )
-    with FeatureClient("eu-west", [home, cluster_backup], [ITEM], timeout_s=0.2) as client:
+    with FeatureClient("eu-west", [home, cluster_backup], [ITEM], timeout_s=1.0) as client:
         result = client.get("item", ["sku"])
         assert result.region == "us-east"
         assert result.to_dicts() == [{"ctr": 0.25, "price": 1.0}]
