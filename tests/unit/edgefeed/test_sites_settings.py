@@ -131,7 +131,11 @@ def test_lag_watches_the_forwarders_of_regions_with_a_site() -> None:
         names.forward_group("eu-west"),  # its worker's group is on its own broker
         names.region_group("us-east"),  # shares the central broker
     )
-    assert build_config(settings_from_mapping(BASE)).groups == ()  # single site: as before
+    assert config.site_regions == ("eu-west",)
+    assert config.region_links == {"eu-west": "central-eu-west"}  # the link its changes cross
+    assert config.links is not None  # read from the local stack's WAN emulator
+    single = build_config(settings_from_mapping(BASE))
+    assert single.groups == () and single.links is None  # single site: as before
 
 
 def test_a_state_folder_too_deep_for_the_control_socket_is_a_clear_error(tmp_path: Path) -> None:
