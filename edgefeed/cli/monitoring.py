@@ -331,8 +331,11 @@ def register(app: typer.Typer) -> None:
         sample_size: SampleOpt = 20,
         state_dir: StateDirOpt = Path(".edgefeed"),
     ) -> None:
-        """Consumer lag (messages, seconds, Burrow status), region freshness and seconds
-        behind, WAN links, slots, connectors."""
+        """Consumer lag (messages, seconds, Burrow status), region freshness, slots, connectors.
+
+        With sites: each region's seconds behind and the WAN links (reachable,
+        delay set and observed, bytes per second each way).
+        """
         from monitoring import Monitor
 
         settings = settings_of(ctx)
