@@ -8,7 +8,10 @@ talks to a regional broker, so a partitioned or dead region stalls only its own
 forwarder: the router and the other regions' forwarders do not wait for it.
 
 Delivery is at least once: a batch's offsets are committed on the central
-broker only after the region's broker acknowledged every record of it. A batch
+broker only after the region's broker acknowledged every record of it and of
+every batch fetched before it. Batches are pipelined (``max_in_flight`` of
+them sent and not yet acknowledged), so records do not wait for the previous
+batch's round trip across the link before they are sent. A batch
 that fails (a cut link times out) is sent again, whole, until it is
 acknowledged; records the region's broker got twice are harmless, because a
 regional worker applies a change only over an older position of the same row
@@ -103,6 +106,11 @@ class ForwardSpec:
         from_beginning: Forward the whole central topic again, from its first
             record, whatever the group committed (rebuilding a lost site).
         max_batch_bytes: Producer batch size per partition.
+        max_in_flight: Batches sent and not yet acknowledged at once: the
+            forwarder keeps fetching and sending while earlier batches cross the
+            link (a batch per round trip would add up to a round trip of waiting
+            to every record), and commits each batch's offsets only once it and
+            every batch before it are acknowledged.
         kafka_options: Security options of aiokafka's clients (TLS, SASL: the
             settings' ``kafka.security``), for both brokers; never logged.
     """
@@ -123,6 +131,7 @@ class ForwardSpec:
     dead_letter_topic: str | None = None
     from_beginning: bool = False
     max_batch_bytes: int = 4 * 1024 * 1024
+    max_in_flight: int = 8
     kafka_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -270,24 +279,50 @@ class Forwarder:
         consumer.subscribe(list(self.topics), listener=_Rewind(consumer, spec.from_beginning))
         if ready is not None:
             ready.set()
+        # Batches sent and not yet acknowledged, oldest first, with the offsets that
+        # each one's acknowledgement lets the group commit.
+        inflight: deque[tuple[dict[Any, int], asyncio.Task[None]]] = deque()
+        stopping = asyncio.ensure_future(self._stop.wait())
         try:
             while not self._stop.is_set():
-                batch = await consumer.getmany(timeout_ms=100, max_records=spec.batch_max)
-                if not batch:
-                    continue
-                fetched = time.time()
-                records = [record for part in batch.values() for record in part]
-                oldest = min(record.timestamp for record in records)
-                await self._deliver(producer, records)
-                self.stats.waited_ms.append(max(fetched * 1000 - oldest, 0.0))
-                self.stats.crossed_ms.append((time.time() - fetched) * 1000)
-                self.stats.batch_records.append(len(records))
-                await consumer.commit({tp: part[-1].offset + 1 for tp, part in batch.items()})
+                # While batches are in flight, come back soon to commit the ones done.
+                wait_ms = spec.fetch_max_wait_ms if inflight else 100
+                batch = await consumer.getmany(timeout_ms=wait_ms, max_records=spec.batch_max)
+                if batch:
+                    offsets = {tp: part[-1].offset + 1 for tp, part in batch.items()}
+                    records = [record for part in batch.values() for record in part]
+                    task = asyncio.create_task(self._timed_delivery(producer, records))
+                    inflight.append((offsets, task))
+                if len(inflight) >= spec.max_in_flight:
+                    # The oldest batch may wait out a cut link: a stop ends the wait.
+                    await asyncio.wait(
+                        [inflight[0][1], stopping], return_when=asyncio.FIRST_COMPLETED
+                    )
+                done: dict[Any, int] = {}
+                while inflight and inflight[0][1].done():
+                    offsets, task = inflight.popleft()
+                    task.result()  # a delivery ends only acknowledged (or with a bug)
+                    done.update(offsets)
+                if done:
+                    await consumer.commit(done)
         finally:
+            # Not acknowledged: not committed, so forwarded again at the next start.
+            stopping.cancel()
+            for _offsets, task in inflight:
+                task.cancel()
+            await asyncio.gather(*(task for _offsets, task in inflight), return_exceptions=True)
             with contextlib.suppress(KafkaError, OSError):
                 await consumer.stop()
             with contextlib.suppress(KafkaError, OSError):
                 await producer.stop()
+
+    async def _timed_delivery(self, producer: AIOKafkaProducer, records: Sequence[Any]) -> None:
+        fetched = time.time()
+        oldest = min(record.timestamp for record in records)
+        await self._deliver(producer, records)
+        self.stats.waited_ms.append(max(fetched * 1000 - oldest, 0.0))
+        self.stats.crossed_ms.append((time.time() - fetched) * 1000)
+        self.stats.batch_records.append(len(records))
 
     async def retrying(self, start: Any, what: str) -> None:
         """Await ``start()`` until it succeeds (the region may be unreachable for now)."""

@@ -157,6 +157,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
             fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
             client_id=settings.kafka.client_id,
             request_timeout_ms=settings.sites.request_timeout_ms,
+            max_in_flight=settings.sites.forward_max_in_flight,
             from_beginning=from_beginning,
             kafka_options=settings.kafka.security.aiokafka_options(),
         )

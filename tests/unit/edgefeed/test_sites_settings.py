@@ -143,3 +143,17 @@ def test_a_state_folder_too_deep_for_the_control_socket_is_a_clear_error(tmp_pat
     stack = DevStack(settings_from_mapping(with_sites(SITES)), deep, with_connect=False)
     with pytest.raises(DevStackError, match="shorter --state-dir"):
         stack.service("wan").prepare()
+
+
+def test_the_sites_demo_line_shows_each_regions_freshness_and_a_cut_link() -> None:
+    from edgefeed.cli.demo_sites import freshness_line
+
+    line = freshness_line(
+        21.04,
+        {"eu-west": 12.345, "us-east": 0.42, "ap-southeast": None},
+        {"central-eu-west": "cut", "central-us-east": "up", "central-ap-southeast": "up"},
+    )
+    assert line.startswith("  t+ 21.0s  freshness: ")
+    assert "eu-west  12.3s [cut]" in line  # the cut region, growing
+    assert "us-east   0.4s" in line and "us-east   0.4s [" not in line  # up: no marker
+    assert "ap-southeast    -  " in line  # no vector yet
