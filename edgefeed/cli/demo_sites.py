@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from edgefeed.settings import EdgefeedSettings
     from edgefeed.wan import WanControl
 
-__all__ = ["freshness_line", "sites_demo"]
+__all__ = ["caught_up", "freshness_line", "sites_demo"]
 
 StateDir = Annotated[
     Path, typer.Option("--state-dir", envvar="EDGEFEED_STATE_DIR", help="Local stack state.")
@@ -69,6 +69,16 @@ def freshness_line(
     return f"  t+{elapsed_s:5.1f}s  freshness: " + "  ".join(parts)
 
 
+def caught_up(freshness: dict[str, float | None], region: str, budget_s: float) -> bool:
+    """``region`` is within ``budget_s`` of the freshest other region (or of the
+    budget itself): what the cut cost it is gone, however loaded the machine is."""
+    value = freshness.get(region)
+    if value is None:
+        return False
+    others = [v for name, v in freshness.items() if name != region and v is not None]
+    return value <= max(budget_s, min(others, default=0.0) + budget_s)
+
+
 def _link_states(wan: WanControl) -> dict[str, str]:
     from edgefeed.wan import WanError
 
@@ -90,7 +100,7 @@ def _watch(
     budget_s: float = 2.0,
 ) -> float | None:
     """Print the live line once a second for ``seconds``; with ``until`` (a region),
-    stop early once its freshness is within ``budget_s`` and return the time taken."""
+    stop early once it has caught up (:func:`caught_up`) and return the time taken."""
     tty = sys.stdout.isatty()
     began = time.monotonic()
     while time.monotonic() - began < seconds:
@@ -101,8 +111,7 @@ def _watch(
             sys.stdout.flush()
         else:
             console.print(line, highlight=False, markup=False)
-        value = freshness.get(until) if until else None
-        if until and value is not None and value <= budget_s:
+        if until and caught_up(freshness, until, budget_s):
             if tty:
                 sys.stdout.write("\n")
             return time.monotonic() - began
@@ -194,7 +203,7 @@ def sites_demo(
     writer = threading.Thread(target=write_load, daemon=True, name="demo-load")
     started = time.monotonic()
     writer.start()
-    caught_up = None
+    took = None
     try:
         _watch(settings, wan, started, before_s)
         console.print(f"  -> cut {link}: nothing crosses it; {cut_region} serves its cache")
@@ -204,14 +213,16 @@ def sites_demo(
         finally:
             wan.heal(link)
         console.print(f"  -> healed {link}: the forwarder sends what it held")
-        caught_up = _watch(settings, wan, started, catch_up_limit_s, until=cut_region)
+        took = _watch(settings, wan, started, catch_up_limit_s, until=cut_region)
     finally:
         stop.set()
         writer.join(timeout=30)
-    if caught_up is None:
+    if took is None:
         console.print(f"[red]{cut_region} did not catch up within {catch_up_limit_s:.0f}s[/]")
         raise typer.Exit(EXIT_ERROR)
-    console.print(f"  {cut_region} caught up {caught_up:.1f}s after the heal")
+    console.print(
+        f"  {cut_region} caught up {took:.1f}s after the heal (within 2 s of the other regions)"
+    )
 
     console.rule("5. every region equals a recomputation from PostgreSQL (no loss, no double)")
     deadline = time.monotonic() + 120

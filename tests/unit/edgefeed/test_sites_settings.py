@@ -157,3 +157,16 @@ def test_the_sites_demo_line_shows_each_regions_freshness_and_a_cut_link() -> No
     assert "eu-west  12.3s [cut]" in line  # the cut region, growing
     assert "us-east   0.4s" in line and "us-east   0.4s [" not in line  # up: no marker
     assert "ap-southeast    -  " in line  # no vector yet
+
+
+def test_the_sites_demo_calls_a_region_caught_up_when_the_cut_no_longer_shows() -> None:
+    from edgefeed.cli.demo_sites import caught_up
+
+    behind = {"eu-west": 25.0, "us-east": 0.5, "ap-southeast": 0.7}
+    assert not caught_up(behind, "eu-west", 2.0)  # still paying for the cut
+    assert caught_up({**behind, "eu-west": 1.9}, "eu-west", 2.0)
+    # A loaded machine: every region 20 s behind; eu-west no worse than the rest.
+    loaded = {"eu-west": 21.0, "us-east": 20.0, "ap-southeast": 20.5}
+    assert caught_up(loaded, "eu-west", 2.0)
+    assert not caught_up({**loaded, "eu-west": 23.0}, "eu-west", 2.0)
+    assert not caught_up({**loaded, "eu-west": None}, "eu-west", 2.0)  # no vector yet
