@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from edgefeed.cli._common import EXIT_ERROR, console, run_reported, settings_of
+from edgefeed.cli._common import EXIT_ERROR, console, fail, run_reported, settings_of
 from edgefeed.cli.dev import print_status
 
 if TYPE_CHECKING:
@@ -144,11 +144,12 @@ def sites_demo(
     settings = settings_of(ctx)
     link = f"central-{cut_region}"
     if link not in settings.sites.all_links():
-        console.print(
-            f"[red]error:[/] {SettingsError.__name__}: no link {link!r} in sites:; run with "
-            "--settings examples/edgefeed-sites.yaml (or name the region with --cut-region)"
+        fail(
+            SettingsError(
+                f"no link {link!r} in the settings' sites: section; run with --settings "
+                "examples/edgefeed-sites.yaml (or name a region with a link: --cut-region)"
+            )
         )
-        raise typer.Exit(EXIT_ERROR)
     settings_path = ctx.find_root().obj.get("settings_path")
     stack = run_reported(lambda: DevStack(settings, state_dir))
     console.rule("1. the sites: a central site, a broker per region, WAN links")
