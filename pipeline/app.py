@@ -172,6 +172,8 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
                 if change is None:
                     tombstones.inc()
                     continue
+                if change.snapshot == "incremental":
+                    measured.snapshot_rows.labels(change.table).inc()
                 # Encoded before anything is queued: a change that cannot be
                 # encoded is dead-lettered whole, never half-routed.
                 bound = [(m, m.change.encode()) for m in router.route(change)]
