@@ -406,7 +406,11 @@ class EntityEngine:
                 # A snapshot re-read of a row the state already holds (a backfill
                 # while streaming goes on): a no-op. Replacing it would only move a
                 # row without a time column to the read's time, out of its windows.
-                return state, False
+                # Only a vector last written under an older feature-set version is
+                # written again (``edgefeed features apply`` snapshots to rebuild).
+                if state.get("v") == self.schema.version:
+                    return state, False
+                return self._stamp(state, state["lsn"], change.commit_ms), True
             rows[pk] = [lsn, seq, event_ms, 0, values]
         if index is not None:
             index.replace(pk, current, rows[pk], rows)
@@ -443,11 +447,11 @@ class EntityEngine:
         self._stamp(state, change.lsn, change.commit_ms)
         return True
 
-    @staticmethod
-    def _stamp(state: _S, lsn: int, ts: int) -> _S:
+    def _stamp(self, state: _S, lsn: int, ts: int) -> _S:
         state["lsn"] = max(int(state["lsn"]), lsn)
         state["rev"] = (int(state["rev"]) + 1) & _U32
         state["ts"] = max(int(state["ts"]), int(ts))
+        state["v"] = self.schema.version  # the feature-set version its next vector carries
         return state
 
     def _index(self, state: EntityState) -> dict[str, TableIndex]:

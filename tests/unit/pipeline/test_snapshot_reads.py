@@ -11,6 +11,7 @@ from typing import Any
 from test_pipeline_logic import ENGINE, envelope, event_message, run, scenario, user_row_message
 
 from pipeline.envelope import decode_change
+from pipeline.features import EntityEngine
 
 
 def as_read(message: dict[str, Any], lsn: int, seq: int = 1) -> dict[str, Any]:
@@ -118,3 +119,23 @@ def test_no_read_order_double_counts() -> None:
         state = run([*scenario(), *order, *order])
         assert state is not None
         assert engine.vector(state) == engine.vector(expected)
+
+
+def test_a_new_feature_set_version_rewrites_each_vector_the_snapshot_reads_once() -> None:
+    """After `features apply` the workers run the new version; the snapshot's reads of
+    rows they hold rewrite each entity's vector once (under the new version), then
+    are no-ops again."""
+    old = ENGINE.engine("user")
+    state = run(scenario())
+    assert state is not None and state["v"] == old.schema.version
+    newer = EntityEngine(old.settings.model_copy(update={"version": old.schema.version + 1}))
+    before = old.write_op(7, state).position
+    reads = [as_read(m, lsn=1000, seq=i) for i, m in enumerate(database_rows())]
+    state, changed = newer.apply(state, reads[0])
+    assert changed and state["v"] == newer.schema.version
+    after = newer.write_op(7, state)
+    assert (after.position.lsn, after.position.seq) > (before.lsn, before.seq)  # cache takes it
+    assert state["rows"] == run(scenario())["rows"]  # type: ignore[index]
+    for message in reads[1:]:
+        state, changed = newer.apply(state, message)
+        assert not changed
