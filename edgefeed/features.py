@@ -128,12 +128,17 @@ def plan_features(
     settings: EdgefeedSettings,
     readers: Sequence[FeatureReader] = (),
     *,
+    regions: Sequence[str] | None = None,
     allow_breaking: bool = False,
 ) -> list[EntityPlan]:
-    """Every region's plan for every declared entity."""
+    """The plan of every declared entity in each region (``regions``: default all).
+
+    Raises:
+        SettingsError: a region is not declared.
+    """
     plans: list[EntityPlan] = []
     readers = [*settings.models, *readers]
-    for region in settings.regions:
+    for region in [settings.region(name) for name in regions or settings.region_names]:
         with _registry(region, write=False) as registry:
             for entity in settings.entities:
                 schema, deployed = _deployed(registry, entity)
@@ -178,6 +183,7 @@ def apply_features(
     connect: ConnectClient,
     readers: Sequence[FeatureReader] = (),
     *,
+    regions: Sequence[str] | None = None,
     wait_s: float = 600.0,
     allow_breaking: bool = False,
     on_registered: Callable[[], None] | None = None,
@@ -195,7 +201,7 @@ def apply_features(
     """
     from connectors.snapshot import request_snapshot
 
-    plans = plan_features(settings, readers, allow_breaking=allow_breaking)
+    plans = plan_features(settings, readers, regions=regions, allow_breaking=allow_breaking)
     problems = [problem for plan in plans for problem in plan.problems]
     if problems:
         raise FeaturePlanRefused(

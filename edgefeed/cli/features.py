@@ -35,6 +35,10 @@ ModelOption = Annotated[
         help="A deployed ranker checkpoint: the features it reads are kept (repeatable).",
     ),
 ]
+RegionOption = Annotated[
+    list[str] | None,
+    typer.Option("--region", help="Only this region (repeatable; default: every region)."),
+]
 BreakOption = Annotated[
     bool,
     typer.Option(
@@ -93,6 +97,7 @@ def _show(plans: list[EntityPlan]) -> None:
 def plan_cmd(
     ctx: typer.Context,
     model: ModelOption = None,
+    region: RegionOption = None,
     break_readers: BreakOption = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -116,6 +121,7 @@ def plan_cmd(
 def apply_cmd(
     ctx: typer.Context,
     model: ModelOption = None,
+    region: RegionOption = None,
     break_readers: BreakOption = False,
     wait: Annotated[
         float, typer.Option(help="Seconds to wait for the workers to write the new version.")
@@ -148,6 +154,7 @@ def apply_cmd(
                 settings,
                 client,
                 readers,
+                regions=region,
                 wait_s=wait,
                 allow_breaking=break_readers,
                 on_registered=registered,
@@ -156,8 +163,8 @@ def apply_cmd(
     if as_json:
         typer.echo(json.dumps(done.as_dict(), indent=2))
         return
-    for region, entity, version in done.registered:
-        console.print(f"registered {entity} v{version} in {region}", highlight=False)
+    for where, entity, version in done.registered:
+        console.print(f"registered {entity} v{version} in {where}", highlight=False)
     for request in done.snapshots:
         console.print(
             f"snapshot {request.id}: {request.table} (progress: `edgefeed lag`)", highlight=False
