@@ -73,3 +73,28 @@ def test_the_newest_snapshot_wins_and_other_notifications_are_ignored() -> None:
     assert (report.id, report.state) == ("snap-2", "ABORTED")
     assert [t.table for t in report.tables] == ["public.items"]
     assert fold_notifications("edgefeed-shop", [initial]) is None
+
+
+def test_the_exporter_exports_the_snapshot_state_and_rows() -> None:
+    from dataclasses import replace
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_monitoring_status import sample_report
+
+    from monitoring import ReportCollector, make_registry
+
+    snap = fold_notifications("edgefeed-shop", [STARTED, CHUNK, ORDERS_DONE])
+    assert snap is not None
+    collector = ReportCollector(freshness_budget_s=5.0, slot_wal_bound_bytes=1024)
+    collector.update(replace(sample_report(), snapshots=(snap,)), 0.1)
+    text = generate_latest(make_registry(collector)).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    running = ("edgefeed_snapshot_state", (("connector", "edgefeed-shop"), ("state", "RUNNING")))
+    assert samples[running] == 1.0
+    rows = ("edgefeed_snapshot_rows", (("connector", "edgefeed-shop"), ("table", "public.orders")))
+    assert samples[rows] == 4100
