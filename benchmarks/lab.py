@@ -23,11 +23,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
+# This folder holds pipeline.py, named like the package: drop it from the path.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE)]
 
-from edgefeed.devstack import DevStack
-from edgefeed.devstack.ports import free_ports
-from edgefeed.settings import settings_from_mapping
+import yaml  # noqa: E402
+
+from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.devstack.ports import free_ports  # noqa: E402
+from edgefeed.settings import settings_from_mapping  # noqa: E402
 
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 REGIONS = (("eu-west", "eu"), ("us-east", "us"), ("ap-southeast", "apac"))

@@ -50,7 +50,7 @@ def _accuracy(summary: TopologySummary) -> str:
 
 def topology_table(summary: TopologySummary) -> Table:
     """One topology: p50/p95/p99 of each term next to the case study's figure."""
-    table = Table(title=f"{summary.title}  [dim]({summary.links})[/]", title_justify="left")
+    table = Table(title=summary.title, title_justify="left", min_width=60)
     table.add_column("ms")
     for column in ("p50", "p95", "p99"):
         table.add_column(column, justify="right")
@@ -64,6 +64,7 @@ def topology_table(summary: TopologySummary) -> Table:
             row.append(_ms(summary.case_study.get(term)))
         table.add_row(*row, style="bold" if term == "total" else None)
     caption = [
+        summary.links,
         f"{summary.requests} requests",
         f"{_bytes(summary.wire_bytes)}/request on the client's link",
     ]
@@ -80,10 +81,11 @@ def topology_table(summary: TopologySummary) -> Table:
 
 
 def _bars(rows: Sequence[tuple[str, str, dict[str, float], bool]], title: str) -> str:
-    """An SVG of stacked horizontal bars: (key, label, term -> ms, from the case study)."""
-    width, label_w, bar_h, gap, top = 960, 330, 26, 14, 40
+    """An SVG of stacked horizontal bars: (key, label, term -> ms, from the case study);
+    a bar's length is the sum of its terms, its caption T_total (``total``) when given."""
+    width, label_w, bar_h, gap, top = 1100, 420, 26, 14, 40
     scale_w = width - label_w - 90
-    longest = max((sum(terms.values()) for _, _, terms, _ in rows), default=1.0) or 1.0
+    longest = max((_stack(terms) for _, _, terms, _ in rows), default=1.0) or 1.0
     height = top + len(rows) * (bar_h + gap) + 50
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -111,9 +113,10 @@ def _bars(rows: Sequence[tuple[str, str, dict[str, float], bool]], title: str) -
                 f"<title>{_LABELS[term]} {value:.1f} ms</title></rect>"
             )
             x += w
-        total = sum(terms.values())
+        total = terms.get("total", _stack(terms))
         out.append(
-            f'<text x="{x + 6:.2f}" y="{y + bar_h * 0.7:.1f}" font-size="13">{total:.0f} ms</text>'
+            f'<text x="{x + 6:.2f}" y="{y + bar_h * 0.7:.1f}" font-size="13">'
+            f"T_total {total:.0f} ms</text>"
         )
         out.append("</g>")
     legend_y = height - 20
@@ -127,8 +130,12 @@ def _bars(rows: Sequence[tuple[str, str, dict[str, float], bool]], title: str) -
     return "\n".join(out)
 
 
+def _stack(terms: dict[str, float]) -> float:
+    return sum(terms.get(term, 0.0) for term in TERM_COLOURS)
+
+
 def _p50s(summary: TopologySummary) -> dict[str, float]:
-    return {term: summary.terms[term].p50 for term in TERM_COLOURS}
+    return {term: summary.terms[term].p50 for term in (*TERM_COLOURS, "total")}
 
 
 def _html_table(summaries: Sequence[TopologySummary]) -> str:
@@ -163,7 +170,7 @@ def render_html(
     for s in ranking:
         rows.append((s.key, s.title, _p50s(s), False))
         if s.case_study:
-            study = {t: s.case_study.get(t, 0.0) for t in TERM_COLOURS}
+            study = {t: s.case_study.get(t, 0.0) for t in (*TERM_COLOURS, "total")}
             rows.append((f"{s.key}-case-study", "  case study (background.md)", study, True))
     parts = [
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"/>',

@@ -122,6 +122,8 @@ def test_the_report_has_one_bar_group_per_topology_and_renders_standalone() -> N
     assert studies == ["central-case-study", "edge-edgefeed-case-study"]
     assert parser.scripts == 0 and parser.links == 0, "self-contained: no script, nothing fetched"
     assert "0.178" in html
+    assert "T_total 350 ms" in html and "T_total 110 ms" in html, "the case study's totals"
+    assert "T_total 243 ms" in html, "central's bar is captioned with its T_total p50"
     assert "Edge &lt;with&gt; edgefeed" in html, "titles are escaped"
     svgs = re.findall(r"<svg.*?</svg>", html, flags=re.S)
     assert len(svgs) == 2
