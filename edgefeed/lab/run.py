@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
@@ -112,7 +111,6 @@ class _Deployed:
     client_link: Link
     client: WorkerClient
     data_link: Link | None = None
-    closers: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
 
     def bytes(self) -> tuple[int, int]:
         wire = self.client_link.bytes_up + self.client_link.bytes_down
@@ -125,9 +123,6 @@ class _Deployed:
         for link in (self.client_link, self.data_link):
             if link is not None:
                 await link.close()
-        for closer in self.closers:
-            with contextlib.suppress(Exception):
-                await closer()
 
 
 @contextlib.contextmanager
@@ -173,7 +168,7 @@ async def _sql_pool(dsn: str, link: Link | None) -> AsyncConnectionPool[Any]:
     )
     try:
         await pool.open(wait=True, timeout=60.0)
-    except (psycopg.Error, TimeoutError, Exception) as exc:
+    except Exception as exc:  # psycopg's errors, the pool's timeout
         await pool.close()
         raise LabDataError(
             f"the lab's SQL feature source could not connect ({type(exc).__name__}); is "
@@ -194,7 +189,12 @@ async def _deploy_rank(
                 settings.database.port,
                 LinkParams(delay_ms=topology.data_delay_ms),
             )
-        pool = await _sql_pool(settings.database.dsn(), data_link)
+        try:
+            pool = await _sql_pool(settings.database.dsn(), data_link)
+        except BaseException:
+            if data_link is not None:
+                await data_link.close()
+            raise
         source = SqlFeatureSource(
             pool, {LAB_STUDENT.user_entity: USER_QUERY, LAB_STUDENT.item_entity: ITEM_QUERY}
         )
