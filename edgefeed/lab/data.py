@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
 
 import numpy as np
 import psycopg
@@ -173,7 +174,7 @@ def seed_events(dsn: str, data: LabData, events: int) -> int:
                                     str(item),
                                     str(kind),
                                     float(prices[item]),
-                                    _timestamp(now - float(age)),
+                                    datetime.fromtimestamp(now - float(age), tz=UTC),
                                 )
                             )
             conn.execute(f"ANALYZE {SCHEMA}.items, {SCHEMA}.events")
@@ -184,12 +185,6 @@ def seed_events(dsn: str, data: LabData, events: int) -> int:
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             ) from None
     return int(row[0]) if row is not None else 1  # type: ignore[call-overload]
-
-
-def _timestamp(epoch: float) -> str:
-    return (
-        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch)) + f".{int(epoch % 1 * 1e6):06d}+00"
-    )
 
 
 def _features(dsn: str, query: SqlFeatureQuery, ids: list[str]) -> dict[str, dict[str, float]]:
