@@ -79,6 +79,7 @@ COMMANDS = {
     "workers serve",
     "workers bench",
     "workers seed-demo",
+    "lab run",
 }
 
 
@@ -403,6 +404,11 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("pipeline", "run", "--role", "forwarder", "--region", "eu-west")),
         Case(inline, ("pipeline", "verify", "--json")),
         Case(inline, ("preprocess", str(tmp_path / "missing.jpg"), "--out", str(tmp_path))),
+        Case(
+            inline,
+            ("lab", "run", "--no-start-stack", "--report", str(tmp_path / "lab.html"), *state),
+        ),
+        Case(remote, ("lab", "run", "--report", str(tmp_path / "lab.html"), *state)),
     ]
     assert {_command_of(c.args) for c in cases} == COMMANDS
     env = _env(tmp_path)
@@ -420,7 +426,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     )
 
 
-_GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers"}
+_GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers", "lab"}
 _SUBGROUPS = {("dev", "wan")}
 
 
@@ -468,6 +474,7 @@ SETTINGS_COMMANDS = [
     ("pipeline", "verify"),
     ("cache", "get", "user", "1", "--region", "eu"),
     ("workers", "seed-demo", "--region", "eu"),
+    ("lab", "run", "--region", "eu"),
 ]
 
 
