@@ -70,6 +70,9 @@ COMMANDS = {
     "connectors pause",
     "connectors resume",
     "connectors delete",
+    "connectors snapshot",
+    "features plan",
+    "features apply",
     "pipeline run",
     "pipeline verify",
     "cache get",
@@ -371,6 +374,13 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("connectors", "pause"), in_process=True),
         Case(inline, ("connectors", "resume"), in_process=True),
         Case(inline, ("connectors", "delete", "--yes"), in_process=True),
+        Case(
+            inline,
+            ("connectors", "snapshot", "--table", "public.users", "--filter", "segment = 1"),
+            in_process=True,
+        ),
+        Case(inline, ("features", "plan")),
+        Case(env_file, ("features", "apply", "--json", "--wait", "0"), in_process=True),
         Case(inline, ("demo", "load", "--duration", "1")),
         Case(env_file, ("demo", "load", "--duration", "1"), in_process=True),
         Case(remote, ("demo", "run", *state)),
@@ -416,7 +426,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     )
 
 
-_GROUPS = {"dev", "demo", "connectors", "pipeline", "cache", "workers", "lab"}
+_GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers", "lab"}
 _SUBGROUPS = {("dev", "wan")}
 
 
@@ -458,6 +468,8 @@ SETTINGS_COMMANDS = [
     ("connectors", "status", "--json"),
     ("connectors", "restart"),
     ("connectors", "delete", "--yes"),
+    ("connectors", "snapshot", "--table", "users"),
+    ("features", "plan"),
     ("pipeline", "run", "--role", "router"),
     ("pipeline", "verify"),
     ("cache", "get", "user", "1", "--region", "eu"),
