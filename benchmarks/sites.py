@@ -7,7 +7,9 @@ the router and one regional worker, in three phases of one run on one stack:
     single   the region shares the central broker (no link): the baseline;
     link     the region has its own broker behind a 100 ms one-way link, fed by
              its forwarder with zstd-compressed batches;
-    raw      the same link, the forwarder without compression.
+    raw      the same link, the forwarder without compression;
+    serial   (only when asked for) the link phase with the forwarder sending one
+             batch per round trip, as before it was pipelined.
 
 Each phase has its own connector, topics and consumer groups, so none inherits
 another's backlog. For the linked phases, the bytes that crossed the link in
@@ -82,7 +84,12 @@ def phase_mapping(base: dict[str, Any], phase: str, tag: str) -> dict[str, Any]:
     if phase == "single":
         mapping.pop("sites")
     else:
-        mapping["sites"] = {**base["sites"], "compression": "zstd" if phase == "link" else "none"}
+        mapping["sites"] = {
+            **base["sites"],
+            "compression": "none" if phase == "raw" else "zstd",
+            # serial: the forwarder before pipelining, one batch per round trip
+            "forward_max_in_flight": 1 if phase == "serial" else 8,
+        }
     return mapping
 
 
@@ -120,15 +127,21 @@ def run_phase(
             )
             load = ShopLoad(settings.database.dsn(), settings.region_names)
             load.seed_rows()
-            time.sleep(1.0)
+            # The seed's vectors are written before the load starts, in every phase:
+            # across the link they arrive as one forwarded burst, and a worker still
+            # applying it when the load starts would count as the link's delay.
+            settled(port)
             before_link = {link["name"]: link for link in wan.status()}[LINK]
-            before = bench_pipeline.histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))
+            before = freshness_buckets(port)
             result = load.run(rate, seconds)
             time.sleep(3.0)  # drain
             if phase != "single":
                 link_quiet(wan)  # every change has crossed: the bytes are all counted
+            settled(port)
             after_link = {link["name"]: link for link in wan.status()}[LINK]
-            quantiles = bench_pipeline.histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))
+            timings = forwarder_timings(stack, f"{phase}-forward") if phase != "single" else {}
+            # The load's vectors only (the histogram since the load began).
+            quantiles = delta_quantiles(before, freshness_buckets(port), (0.5, 0.99))
         finally:
             for app in ("eu-west", "forward", "router"):
                 stack.stop_app(f"{phase}-{app}")
@@ -142,13 +155,76 @@ def run_phase(
         "phase": phase,
         "rate_written": round(result.rate, 1),
         "changes": result.changes,
-        "vectors_written": quantiles["count"] - before["count"],
+        "vectors_written": quantiles["count"],
         "commit_to_redis_p50_ms": round(quantiles["p50_ms"], 1),
         "commit_to_redis_p99_ms": round(quantiles["p99_ms"], 1),
         "link_bytes_up_per_1000_changes": round(up * per_1000),
         "link_bytes_down_per_1000_changes": round(down * per_1000),
         "link_observed_delay_ms": after_link["observed_delay_ms"],
+        # Per forwarded batch: router write -> fetched (waited), fetched -> acknowledged
+        # by the region's broker (crossed), and records (router packs) per batch.
+        "forwarder_batch_ms": timings,
     }
+
+
+def forwarder_timings(stack: DevStack, app: str) -> dict[str, float]:
+    """The forwarder's last logged batch timings (p50/p99 of its recent batches)."""
+    time.sleep(10.5)  # it logs them every 10 s
+    path = stack.log_path(f"{stack._APP_PREFIX}{app}")
+    lines = [line for line in path.read_text().splitlines() if "recent batches" in line]
+    if not lines:
+        return {}
+    found = {}
+    for part in lines[-1].split(": ")[-1].split(", "):
+        name, _, value = part.partition(" ")
+        if value:
+            found[name] = float(value)
+    return found
+
+
+def freshness_buckets(port: int) -> dict[float, float]:
+    """The region's commit -> Redis histogram: upper bound (s) -> cumulative count."""
+    samples = bench_pipeline.scrape(port, "edgefeed_pipeline_freshness_seconds_bucket")
+    return {
+        (float("inf") if 'le="+Inf"' in key else float(key.split('le="')[1].split('"')[0])): value
+        for key, value in samples.items()
+        if 'region="eu-west"' in key
+    }
+
+
+def delta_quantiles(
+    before: dict[float, float], after: dict[float, float], quantiles: tuple[float, ...]
+) -> dict[str, float]:
+    """Quantiles of what the histogram gained between two readings (interpolated inside
+    a bucket, as Prometheus' histogram_quantile does)."""
+    buckets = sorted((le, count - before.get(le, 0.0)) for le, count in after.items())
+    total = buckets[-1][1] if buckets else 0.0
+    out = {"count": total}
+    for q in quantiles:
+        target, previous_le, previous_count, value = q * total, 0.0, 0.0, float("nan")
+        for le, count in buckets:
+            if count >= target:
+                share = (target - previous_count) / max(count - previous_count, 1e-9)
+                value = (
+                    previous_le if le == float("inf") else previous_le + (le - previous_le) * share
+                )
+                break
+            previous_le, previous_count = le, count
+        out[f"p{int(q * 100)}_ms"] = value * 1000
+    return out
+
+
+def settled(port: int, quiet_s: float = 3.0, limit_s: float = 180.0) -> None:
+    """Wait until the worker has written no vector for ``quiet_s`` (it applied all it had)."""
+    deadline = time.monotonic() + limit_s
+    last, since = -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        count = max(freshness_buckets(port).values(), default=0.0)
+        if count != last:
+            last, since = count, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.5)
 
 
 def link_quiet(wan: WanControl, quiet_s: float = 3.0, limit_s: float = 180.0) -> None:
@@ -230,6 +306,10 @@ def main() -> None:
                 f"; link bytes per 1,000 changes: up {p['link_bytes_up_per_1000_changes']:,}, "
                 f"down {p['link_bytes_down_per_1000_changes']:,} "
                 f"(observed delay {p['link_observed_delay_ms']:.0f} ms)"
+            )
+        if p["forwarder_batch_ms"]:
+            line += "; forwarder batches: " + ", ".join(
+                f"{k} {v:.0f}" for k, v in p["forwarder_batch_ms"].items()
             )
         print(line)
     by_name = {p["phase"]: p for p in report["phases"]}

@@ -115,6 +115,8 @@ class SitesSettings(BaseModel):
             ``snappy`` or ``none``.
         request_timeout_ms: How long a forwarder waits for the region's broker to
             acknowledge a batch before sending it again (a cut link).
+        forward_max_in_flight: Batches a forwarder sends before the first of them
+            is acknowledged (1: one batch per round trip across the link).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -123,6 +125,7 @@ class SitesSettings(BaseModel):
     links: dict[str, ExtraLinkSettings] = Field(default_factory=dict)
     compression: Compression = "zstd"
     request_timeout_ms: int = Field(default=10_000, ge=1_000, le=300_000)
+    forward_max_in_flight: int = Field(default=8, ge=1, le=64)
 
     @model_validator(mode="after")
     def _names_and_ports(self) -> SitesSettings:

@@ -26,7 +26,8 @@ class SourceUnavailableError(MonitoringError):
     the next collection round tries again; the report marks the section.
 
     Attributes:
-        source: Which system: ``kafka``, ``redis:<region>``, ``postgres``, ``connect``.
+        source: Which system: ``kafka``, ``redis:<region>``, ``postgres``, ``connect``,
+            ``wan`` (the local stack's WAN emulator).
     """
 
     retryable = True

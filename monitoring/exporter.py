@@ -60,6 +60,14 @@ METRIC_NAMES: tuple[str, ...] = (
     "edgefeed_region_pending_messages",
     "edgefeed_region_status",
     "edgefeed_region_quarantined_entities",
+    "edgefeed_region_behind_seconds",
+    "edgefeed_link_up",
+    "edgefeed_link_cut_seconds",
+    "edgefeed_link_delay_seconds",
+    "edgefeed_link_observed_delay_seconds",
+    "edgefeed_link_bytes_per_second",
+    "edgefeed_link_bytes_total",
+    "edgefeed_link_connections",
     "edgefeed_freshness_budget_seconds",
     "edgefeed_replication_slot_retained_wal_bytes",
     "edgefeed_replication_slot_flush_lag_bytes",
@@ -114,6 +122,7 @@ class ReportCollector(Collector):
         yield from self._kafka(report)
         yield from self._regions(report)
         yield from self._cdc(report)
+        yield from self._links(report)
         up = _gauge(
             "edgefeed_up", "1 when the last collection could read the component.", ["component"]
         )
@@ -122,6 +131,8 @@ class ReportCollector(Collector):
             up.add_metric([f"redis:{region.region}"], 0.0 if region.state == "DOWN" else 1.0)
         up.add_metric(["postgres"], 0.0 if report.cdc_error else 1.0)
         up.add_metric(["connect"], 0.0 if report.connect_error else 1.0)
+        if report.links or report.links_error:
+            up.add_metric(["wan"], 0.0 if report.links_error else 1.0)
         yield up
         sev = _gauge("edgefeed_monitor_severity", "Overall: 0 OK, 1 WARN, 2 ERR.", [])
         sev.add_metric([], _SEVERITY_CODES[report.severity])
@@ -283,7 +294,15 @@ class ReportCollector(Collector):
             "Entities whose vectors the pipeline cannot write (stale until fixed).",
             ["region"],
         )
+        behind = _gauge(
+            "edgefeed_region_behind_seconds",
+            "Age of the oldest change not yet past the router and the group that carries "
+            "the region's changes (its forwarder's, with a site of its own).",
+            ["region", "link"],
+        )
         for r in report.regions:
+            if r.behind_seconds is not None:
+                behind.add_metric([r.region, r.link or ""], r.behind_seconds)
             if r.state != "DOWN":
                 quarantined.add_metric([r.region], r.quarantined)
             for e in r.entities:
@@ -302,6 +321,43 @@ class ReportCollector(Collector):
             for s in ("OK", "IDLE", "STALE", "NODATA", "DOWN"):
                 state.add_metric([r.region, s], 1.0 if r.state == s else 0.0)
         yield from (fresh, delay, oldest, sampled, region_fresh, pending, state, quarantined)
+        yield behind
+
+    def _links(self, report: Report) -> Iterator[Metric]:
+        up = _gauge(
+            "edgefeed_link_up", "1 when the WAN link carries traffic; 0 cut or down.", ["link"]
+        )
+        cut = _gauge(
+            "edgefeed_link_cut_seconds", "How long the link has been cut (0 when not).", ["link"]
+        )
+        delay = _gauge(
+            "edgefeed_link_delay_seconds", "The link's configured one-way delay.", ["link"]
+        )
+        seen = _gauge(
+            "edgefeed_link_observed_delay_seconds",
+            "Moving average of the one-way delay chunks took across the link.",
+            ["link"],
+        )
+        rate = _gauge(
+            "edgefeed_link_bytes_per_second",
+            "Bytes per second over the last seconds; up: towards the far endpoint.",
+            ["link", "direction"],
+        )
+        total = CounterMetricFamily(
+            "edgefeed_link_bytes", "Bytes carried across the link.", labels=["link", "direction"]
+        )
+        conns = _gauge("edgefeed_link_connections", "Connections open across the link.", ["link"])
+        for link in report.links:
+            up.add_metric([link.name], 1.0 if link.reachable else 0.0)
+            cut.add_metric([link.name], link.cut_for_s or 0.0)
+            delay.add_metric([link.name], link.delay_ms / 1000.0)
+            seen.add_metric([link.name], link.observed_delay_ms / 1000.0)
+            rate.add_metric([link.name, "up"], link.bytes_per_s_up)
+            rate.add_metric([link.name, "down"], link.bytes_per_s_down)
+            total.add_metric([link.name, "up"], link.bytes_up)
+            total.add_metric([link.name, "down"], link.bytes_down)
+            conns.add_metric([link.name], link.connections)
+        yield from (up, cut, delay, seen, rate, total, conns)
 
     def _cdc(self, report: Report) -> Iterator[Metric]:
         labels = ["slot", "database", "source"]

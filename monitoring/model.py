@@ -12,6 +12,8 @@ __all__ = [
     "EntityFreshness",
     "GroupReport",
     "KafkaReport",
+    "LinkReport",
+    "LinkState",
     "PartitionLag",
     "RegionReport",
     "RegionState",
@@ -24,6 +26,7 @@ __all__ = [
 ]
 
 RegionState = Literal["OK", "IDLE", "STALE", "NODATA", "DOWN"]
+LinkState = Literal["UP", "CUT", "DOWN"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,43 @@ class RegionReport:
     error: str | None = None
     quarantined: int = 0
     quarantine_sample: tuple[tuple[str, str], ...] = ()
+    behind_seconds: float | None = None
+    link: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkReport:
+    """One WAN link between two sites (what the local stack's emulator reports).
+
+    Attributes:
+        name: The link (``central-<region>`` for a region's link).
+        state: UP (carries traffic), CUT (a partition: nothing crosses), DOWN
+            (the endpoint behind it refuses connections).
+        reachable: True when UP.
+        cut_for_s: How long the current cut has lasted.
+        delay_ms: The link's configured one-way delay.
+        observed_delay_ms: Moving average of the one-way delay chunks took.
+        bytes_per_s_up: Towards the endpoint (central -> region), recent seconds.
+        bytes_per_s_down: Back from the endpoint, recent seconds.
+        bytes_up: Bytes ever carried towards the endpoint.
+        bytes_down: Bytes ever carried back.
+        connections: Connections open across it.
+        error: Why the endpoint is unreachable (state DOWN).
+    """
+
+    name: str
+    state: LinkState
+    severity: Severity
+    reachable: bool
+    cut_for_s: float | None
+    delay_ms: float
+    observed_delay_ms: float
+    bytes_per_s_up: float
+    bytes_per_s_down: float
+    bytes_up: int
+    bytes_down: int
+    connections: int
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +289,11 @@ class Report:
     connect_error: str | None = None
     snapshots: tuple[SnapshotReport, ...] = ()
     snapshot_error: str | None = None
+    links: tuple[LinkReport, ...] = ()
+    links_error: str | None = None
+
+    def link(self, name: str) -> LinkReport | None:
+        return next((link for link in self.links if link.name == name), None)
 
     def group(self, name: str) -> GroupReport | None:
         return next((g for g in self.kafka.groups if g.group == name), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -18,11 +18,13 @@ from monitoring.cdc import SlotRow, read_connectors, read_slots
 from monitoring.exceptions import MonitoringConfigError, SourceUnavailableError
 from monitoring.freshness import RegionTimes, read_region
 from monitoring.kafka import KafkaSnapshot, read_kafka
+from monitoring.links import link_problems, link_reports
 from monitoring.model import (
     ConnectorReport,
     EntityFreshness,
     GroupReport,
     KafkaReport,
+    LinkReport,
     PartitionLag,
     RegionReport,
     RegionState,
@@ -48,6 +50,7 @@ from pipeline.names import PipelineNames
 __all__ = [
     "DEADLETTER_TOPIC",
     "ROUTER_GROUP",
+    "LinkReader",
     "Monitor",
     "MonitorConfig",
     "RegionTarget",
@@ -58,6 +61,12 @@ __all__ = [
 _DEFAULT_NAMES = PipelineNames()
 ROUTER_GROUP = _DEFAULT_NAMES.router_group
 DEADLETTER_TOPIC = _DEFAULT_NAMES.dead_letter_topic
+
+
+#: Reads the WAN links' state: one mapping per link, as the local stack's emulator
+#: reports it (edgefeed.wan's ``status``). Raises SourceUnavailableError when it
+#: cannot answer.
+LinkReader = Callable[[], Awaitable[Sequence[Mapping[str, Any]]]]
 
 
 def region_group(region: str) -> str:
@@ -107,6 +116,11 @@ class MonitorConfig:
         sample_size: Vectors sampled per region.
         secrets: Values never shown (the database password).
         kafka_options: More aiokafka options: SASL and TLS (holds a password).
+        site_regions: Regions with a broker of their own: a forwarder carries their
+            changes, so its group (``<prefix>-forward-<region>``) on the central
+            broker is how far behind they are; the other regions' own groups are.
+        links: Reads the WAN links (the local stack's emulator); None: no links.
+        region_links: Region -> the name of the link its changes cross.
     """
 
     bootstrap_servers: tuple[str, ...]
@@ -125,6 +139,9 @@ class MonitorConfig:
     timeout_s: float = 10.0
     client_id: str = "edgefeed-monitor"
     secrets: tuple[str, ...] = field(default=(), repr=False)
+    site_regions: tuple[str, ...] = ()
+    links: LinkReader | None = field(default=None, repr=False)
+    region_links: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.window < 2:
@@ -153,10 +170,14 @@ class MonitorConfig:
     def expected_groups(self) -> tuple[str, ...]:
         if self.groups:
             return self.groups
-        return (
-            self.names.router_group,
-            *(self.names.region_group(r.name) for r in self.regions),
-        )
+        return (self.names.router_group, *(self.carrier_group(r.name) for r in self.regions))
+
+    def carrier_group(self, region: str) -> str:
+        """The group on the central broker whose progress is the region's: its
+        forwarder's when the region has a site, else its feature worker's."""
+        if region in self.site_regions:
+            return self.names.forward_group(region)
+        return self.names.region_group(region)
 
 
 class Monitor:
@@ -214,17 +235,25 @@ class Monitor:
             timeout_s=config.timeout_s,
             client_options=config.kafka_options,
         )
+        link_task = config.links() if config.links is not None else _nothing()
         results = await asyncio.gather(
             kafka_task,
             slot_task,
             connect_task,
             snapshot_task,
+            link_task,
             *region_tasks,
             return_exceptions=True,
         )
         now = time.time()
-        kafka_result, slot_result, connect_result, snapshot_result, *region_results = results
+        kafka_result, slot_result, connect_result, snapshot_result, link_result, *region_results = (
+            results
+        )
         kafka = self._kafka_report(kafka_result, now)
+        links: tuple[LinkReport, ...] = ()
+        links_error = None if link_result is None else _unavailable(link_result)
+        if link_result is not None and links_error is None:
+            links = link_reports(cast(Sequence[Mapping[str, Any]], link_result))
         regions = tuple(
             self._region_report(target, result, kafka, now)
             for target, result in zip(config.regions, region_results, strict=True)
@@ -236,12 +265,16 @@ class Monitor:
             "tuple[SnapshotReport, ...]", () if snapshot_error is not None else snapshot_result
         )
         problems = self._problems(kafka, regions, slots, connectors, cdc_error, connect_error)
+        problems += link_problems(links, links_error, regions, config.freshness_budget_s)
         severities: list[Severity] = [g.severity for g in kafka.groups]
         severities += [r.severity for r in regions]
         severities += [s.severity for s in slots]
         severities += [c.severity for c in connectors]
+        severities += [link.severity for link in links]
         if kafka.error or cdc_error or connect_error:
             severities.append("ERR")
+        if links_error:
+            severities.append("WARN")
         if kafka.deadletters_new:
             severities.append("WARN")
         return Report(
@@ -256,6 +289,8 @@ class Monitor:
             connect_error=connect_error,
             snapshots=snapshots,
             snapshot_error=snapshot_error,
+            links=links,
+            links_error=links_error,
         )
 
     # -- Kafka --------------------------------------------------------------------------
@@ -370,8 +405,20 @@ class Monitor:
         self, target: RegionTarget, result: object, kafka: KafkaReport, now: float
     ) -> RegionReport:
         pending = self._pending(kafka, target.name)
+        behind = self._behind(kafka, target.name)
+        link = self.config.region_links.get(target.name)
         if (error := _unavailable(result)) is not None:
-            return RegionReport(target.name, "DOWN", "ERR", None, pending, (), error=error)
+            return RegionReport(
+                target.name,
+                "DOWN",
+                "ERR",
+                None,
+                pending,
+                (),
+                error=error,
+                behind_seconds=behind,
+                link=link,
+            )
         times = cast(RegionTimes, result)
         entities = []
         for e in times.entities:
@@ -406,6 +453,8 @@ class Monitor:
             state, severity = "IDLE", "OK"
         if times.quarantined and severity == "OK":
             severity = "WARN"  # some entities' vectors are stuck; the rest flow
+        if behind is not None and behind > budget and severity == "OK":
+            severity = "WARN"  # changes wait for it (a cut link, a slow forwarder)
         return RegionReport(
             target.name,
             state,
@@ -415,7 +464,19 @@ class Monitor:
             tuple(entities),
             quarantined=times.quarantined,
             quarantine_sample=times.quarantine_sample,
+            behind_seconds=behind,
+            link=link,
         )
+
+    def _behind(self, kafka: KafkaReport, region: str) -> float | None:
+        """Seconds behind: the oldest change not yet past the router or the region's
+        carrier group (its forwarder's with a site: held by a cut link, it grows)."""
+        if kafka.error:
+            return None
+        names = self.config.names
+        wanted = (names.router_group, self.config.carrier_group(region))
+        found = [g.lag_seconds for g in kafka.groups if g.group in wanted and g.partitions]
+        return max(found) if found else None
 
     # -- CDC ----------------------------------------------------------------------------
 
@@ -484,7 +545,11 @@ class Monitor:
         return tuple(reports), None
 
     def _region_of(self, group: str) -> str | None:
-        return self.config.names.region_of_group(group)
+        names = self.config.names
+        forwarded = next(
+            (r for r in self.config.site_regions if names.forward_group(r) == group), None
+        )
+        return forwarded or names.region_of_group(group)
 
     def _pending(self, kafka: KafkaReport, region: str) -> int | None:
         """Messages waiting for ``region``: the router's lag, plus the region's topic
@@ -498,7 +563,7 @@ class Monitor:
         topic = next((t for t in kafka.topics if t.topic == topic_name), None)
         if topic is None:
             return total
-        group_name = names.region_group(region)
+        group_name = self.config.carrier_group(region)
         group = next((g for g in kafka.groups if g.group == group_name), None)
         committed = {
             p.partition: p.lag or 0

@@ -8,11 +8,20 @@ talks to a regional broker, so a partitioned or dead region stalls only its own
 forwarder: the router and the other regions' forwarders do not wait for it.
 
 Delivery is at least once: a batch's offsets are committed on the central
-broker only after the region's broker acknowledged every record of it. A batch
+broker only after the region's broker acknowledged every record of it and of
+every batch fetched before it. Batches are pipelined (``max_in_flight`` of
+them sent and not yet acknowledged), so records do not wait for the previous
+batch's round trip across the link before they are sent. A batch
 that fails (a cut link times out) is sent again, whole, until it is
 acknowledged; records the region's broker got twice are harmless, because a
 regional worker applies a change only over an older position of the same row
 (pipeline.features), so duplicates and late copies change nothing.
+
+It forwards the region's dead-letter topic the same way: the router writes the
+poison of a personal row whose home is this region to
+``<dead_letter_topic>.<region>`` on the central broker, and the forwarder
+carries it to the topic of that name on the region's broker, beside the
+regional worker's own dead letters, so a region's poison is in the region.
 
 The producer compresses its batches (``compression``: zstd by default): the
 records cross the WAN link, and cross-region bytes cost money.
@@ -24,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +91,8 @@ class ForwardSpec:
         region: The region.
         topic: Its change topic (the same name on both brokers).
         partitions: Partitions of that topic (the same on both brokers).
+        dead_letter_topic: The region's dead-letter topic (one partition on both
+            brokers), forwarded too; None: only the change topic.
         group: Consumer group on the central broker.
         source: The central broker.
         target: The region's broker, as it advertises itself.
@@ -94,6 +106,11 @@ class ForwardSpec:
         from_beginning: Forward the whole central topic again, from its first
             record, whatever the group committed (rebuilding a lost site).
         max_batch_bytes: Producer batch size per partition.
+        max_in_flight: Batches sent and not yet acknowledged at once: the
+            forwarder keeps fetching and sending while earlier batches cross the
+            link (a batch per round trip would add up to a round trip of waiting
+            to every record), and commits each batch's offsets only once it and
+            every batch before it are acknowledged.
         kafka_options: Security options of aiokafka's clients (TLS, SASL: the
             settings' ``kafka.security``), for both brokers; never logged.
     """
@@ -111,14 +128,25 @@ class ForwardSpec:
     fetch_max_wait_ms: int = 20
     request_timeout_ms: int = 10_000
     client_id: str = "edgefeed"
+    dead_letter_topic: str | None = None
     from_beginning: bool = False
     max_batch_bytes: int = 4 * 1024 * 1024
+    max_in_flight: int = 8
     kafka_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+_TIMINGS_KEPT = 4096  # recent batches whose timings the quantiles cover
 
 
 @dataclass(slots=True)
 class ForwardStats:
-    """What a forwarder has done (logged, and read by tests and benchmarks)."""
+    """What a forwarder has done (logged, and read by tests and benchmarks).
+
+    Where a record's time goes, per batch (the oldest record of each): ``waited``
+    is the router's write on the central broker -> the forwarder fetched it;
+    ``crossed`` is fetched -> the region's broker acknowledged the whole batch
+    (a round trip across the link, plus the broker's own time).
+    """
 
     records: int = 0
     value_bytes: int = 0  # uncompressed record values delivered
@@ -126,6 +154,25 @@ class ForwardStats:
     retries: int = 0
     last_delivered_at: float | None = None  # wall clock
     failing_since: float | None = None  # wall clock of the first failure of the current batch
+    waited_ms: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMINGS_KEPT))
+    crossed_ms: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMINGS_KEPT))
+    batch_records: deque[int] = field(default_factory=lambda: deque(maxlen=_TIMINGS_KEPT))
+
+    def timings(self) -> dict[str, float]:
+        """p50 and p99 of the recent batches' waits and crossings (ms), and their size."""
+        found: dict[str, float] = {}
+        for name, values in (
+            ("waited", self.waited_ms),
+            ("crossed", self.crossed_ms),
+            ("records", self.batch_records),
+        ):
+            ordered = sorted(values)
+            if ordered:
+                found[f"{name}_p50"] = float(ordered[len(ordered) // 2])
+                found[f"{name}_p99"] = float(
+                    ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)]
+                )
+        return found
 
 
 class _Rewind(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
@@ -165,8 +212,16 @@ class Forwarder:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def topics(self) -> dict[str, int]:
+        """The topics forwarded, with their partitions (the same on both brokers)."""
+        found = {self.spec.topic: self.spec.partitions}
+        if self.spec.dead_letter_topic is not None:
+            found[self.spec.dead_letter_topic] = 1
+        return found
+
     async def ensure_target_topic(self) -> None:
-        """Create the change topic on the region's broker (through the link) if missing."""
+        """Create the forwarded topics on the region's broker (through the link) if missing."""
         spec = self.spec
         admin = AIOKafkaAdminClient(
             bootstrap_servers=_through(spec.target, spec.address_map),
@@ -177,11 +232,13 @@ class Forwarder:
         route_through(admin._client, spec.address_map)
         await admin.start()
         try:
-            if spec.topic not in set(await admin.list_topics()):
-                with contextlib.suppress(TopicAlreadyExistsError):
-                    await admin.create_topics(
-                        [NewTopic(spec.topic, spec.partitions, replication_factor=1)]
-                    )
+            existing = set(await admin.list_topics())
+            for topic, partitions in self.topics.items():
+                if topic not in existing:
+                    with contextlib.suppress(TopicAlreadyExistsError):
+                        await admin.create_topics(
+                            [NewTopic(topic, partitions, replication_factor=1)]
+                        )
         finally:
             await admin.close()
 
@@ -219,22 +276,53 @@ class Forwarder:
         route_through(producer.client, spec.address_map)
         await self.retrying(producer.start, "connect to the region's broker")
         await consumer.start()
-        consumer.subscribe([spec.topic], listener=_Rewind(consumer, spec.from_beginning))
+        consumer.subscribe(list(self.topics), listener=_Rewind(consumer, spec.from_beginning))
         if ready is not None:
             ready.set()
+        # Batches sent and not yet acknowledged, oldest first, with the offsets that
+        # each one's acknowledgement lets the group commit.
+        inflight: deque[tuple[dict[Any, int], asyncio.Task[None]]] = deque()
+        stopping = asyncio.ensure_future(self._stop.wait())
         try:
             while not self._stop.is_set():
-                batch = await consumer.getmany(timeout_ms=100, max_records=spec.batch_max)
-                if not batch:
-                    continue
-                records = [record for part in batch.values() for record in part]
-                await self._deliver(producer, records)
-                await consumer.commit({tp: part[-1].offset + 1 for tp, part in batch.items()})
+                # While batches are in flight, come back soon to commit the ones done.
+                wait_ms = spec.fetch_max_wait_ms if inflight else 100
+                batch = await consumer.getmany(timeout_ms=wait_ms, max_records=spec.batch_max)
+                if batch:
+                    offsets = {tp: part[-1].offset + 1 for tp, part in batch.items()}
+                    records = [record for part in batch.values() for record in part]
+                    task = asyncio.create_task(self._timed_delivery(producer, records))
+                    inflight.append((offsets, task))
+                if len(inflight) >= spec.max_in_flight:
+                    # The oldest batch may wait out a cut link: a stop ends the wait.
+                    await asyncio.wait(
+                        [inflight[0][1], stopping], return_when=asyncio.FIRST_COMPLETED
+                    )
+                done: dict[Any, int] = {}
+                while inflight and inflight[0][1].done():
+                    offsets, task = inflight.popleft()
+                    task.result()  # a delivery ends only acknowledged (or with a bug)
+                    done.update(offsets)
+                if done:
+                    await consumer.commit(done)
         finally:
+            # Not acknowledged: not committed, so forwarded again at the next start.
+            stopping.cancel()
+            for _offsets, task in inflight:
+                task.cancel()
+            await asyncio.gather(*(task for _offsets, task in inflight), return_exceptions=True)
             with contextlib.suppress(KafkaError, OSError):
                 await consumer.stop()
             with contextlib.suppress(KafkaError, OSError):
                 await producer.stop()
+
+    async def _timed_delivery(self, producer: AIOKafkaProducer, records: Sequence[Any]) -> None:
+        fetched = time.time()
+        oldest = min(record.timestamp for record in records)
+        await self._deliver(producer, records)
+        self.stats.waited_ms.append(max(fetched * 1000 - oldest, 0.0))
+        self.stats.crossed_ms.append((time.time() - fetched) * 1000)
+        self.stats.batch_records.append(len(records))
 
     async def retrying(self, start: Any, what: str) -> None:
         """Await ``start()`` until it succeeds (the region may be unreachable for now)."""
@@ -258,10 +346,13 @@ class Forwarder:
             try:
                 futures = [
                     await producer.send(
-                        spec.topic,
+                        record.topic,
                         value=record.value,
                         key=record.key,
                         partition=record.partition,
+                        # The router's write time, as MirrorMaker 2 keeps it: the
+                        # region's lag in seconds counts from there.
+                        timestamp_ms=record.timestamp,
                         headers=list(record.headers or ()),
                     )
                     for record in records

@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from edgefeed.cli._common import EXIT_ERROR, console, run_reported, settings_of
+from edgefeed.cli.demo_sites import sites_demo
 from edgefeed.cli.dev import print_status
 from edgefeed.cli.workers import print_bench
 
@@ -301,6 +302,9 @@ async def _burst(url: str, load: ShopLoad, region: str, items: int) -> dict[str,
     async with WorkerClient(url) as client:
         result = await closed_loop(client, send, concurrency=8, requests=300, warmup_requests=8)
     return result.summary()
+
+
+demo_app.command("sites")(sites_demo)
 
 
 def register(app: typer.Typer) -> None:

@@ -28,15 +28,17 @@ from edgefeed.cli._common import console, run_reported, settings_of
 
 if TYPE_CHECKING:
     from edgefeed.settings import EdgefeedSettings
-    from monitoring import Monitor, MonitorConfig, Report
+    from monitoring import LinkReader, Monitor, MonitorConfig, Report
 
-__all__ = ["EXIT_CODES", "build_config", "register", "render"]
+__all__ = ["EXIT_CODES", "build_config", "link_reader", "register", "render"]
 
 EXIT_CODES = {"OK": 0, "WARN": 3, "ERR": 4}
 EXIT_INTERRUPTED = 130  # --watch stopped before its first report
 T = TypeVar("T")
 _COLOURS = {
     "OK": "green",
+    "UP": "green",
+    "CUT": "red",
     "IDLE": "green",
     "RUNNING": "green",
     "WARN": "yellow",
@@ -69,11 +71,36 @@ SampleOpt = Annotated[int, typer.Option("--sample-size", help="Vectors sampled p
 MinIntervalOpt = Annotated[
     float, typer.Option("--min-interval", help="Seconds between observations kept.")
 ]
+StateDirOpt = Annotated[
+    Path,
+    typer.Option(
+        "--state-dir",
+        envvar="EDGEFEED_STATE_DIR",
+        help="The local stack's folder (its WAN emulator reports the sites' links).",
+    ),
+]
+
+
+def link_reader(control_path: Path) -> LinkReader:
+    """Reads the links from the local stack's WAN emulator (``<state>/run/wan.sock``)."""
+    from edgefeed.wan import WanControl, WanError
+    from monitoring import SourceUnavailableError
+
+    control = WanControl(control_path)
+
+    async def read() -> list[dict[str, Any]]:
+        try:
+            return await asyncio.to_thread(control.status)
+        except WanError as exc:
+            raise SourceUnavailableError("wan", str(exc)) from None
+
+    return read
 
 
 def build_config(
     settings: EdgefeedSettings,
     *,
+    state_dir: Path | None = None,
     groups: list[str] | None = None,
     window: int = 10,
     min_interval_s: float = 1.0,
@@ -81,7 +108,11 @@ def build_config(
     slot_wal_bound_bytes: int = 1024**3,
     sample_size: int = 20,
 ) -> MonitorConfig:
-    """The monitor's view of the settings file."""
+    """The monitor's view of the settings file.
+
+    With links in ``sites:``, their health is read from the WAN emulator of the
+    local stack in ``state_dir`` (default ``.edgefeed``, as ``edgefeed dev``).
+    """
     from connectors.config import notification_topic
     from monitoring import MonitorConfig, RegionTarget, SourceTarget
 
@@ -93,7 +124,19 @@ def build_config(
             names.forward_group(r) if r in settings.sites.regions else names.region_group(r)
             for r in settings.region_names
         ]
+    sites = settings.sites
+    links = None
+    if sites.all_links():
+        control = (state_dir or Path(".edgefeed")).resolve() / "run" / "wan.sock"
+        links = link_reader(control)
     return MonitorConfig(
+        site_regions=tuple(r for r in settings.region_names if r in sites.regions),
+        links=links,
+        region_links={
+            r: f"central-{r}"
+            for r, site in sites.regions.items()
+            if site.link is not None and r in settings.region_names
+        },
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
         regions=tuple(
             RegionTarget(r.name, r.redis_url, r.redis_options("reader")) for r in settings.regions
@@ -167,6 +210,7 @@ def render(report: Report) -> Group:
         "region",
         "state",
         "freshness",
+        "behind",
         "pending",
         "entity",
         "entity fresh",
@@ -179,13 +223,14 @@ def render(report: Report) -> Group:
             r.region,
             _styled(r.state),
             _seconds(r.freshness_seconds),
+            _seconds(r.behind_seconds),
             "-" if r.pending is None else str(r.pending),
         ]
         if not r.entities:
             regions.add_row(*head, r.error or "-", "", "", "")
         for i, e in enumerate(r.entities):
             regions.add_row(
-                *(head if i == 0 else ["", "", "", ""]),
+                *(head if i == 0 else ["", "", "", "", ""]),
                 e.entity,
                 _seconds(e.freshness_seconds),
                 _seconds(e.write_delay_seconds),
@@ -193,10 +238,10 @@ def render(report: Report) -> Group:
             )
     for r in report.regions:
         for entity, reason in r.quarantine_sample:
-            regions.add_row(r.region, _styled("WARN"), "", "", f"quarantined {entity}", reason)
+            regions.add_row(r.region, _styled("WARN"), "", "", "", f"quarantined {entity}", reason)
         if r.quarantined > len(r.quarantine_sample):
             hidden = r.quarantined - len(r.quarantine_sample)
-            regions.add_row(r.region, _styled("WARN"), "", "", f"... {hidden} more quarantined")
+            regions.add_row(r.region, _styled("WARN"), "", "", "", f"... {hidden} more quarantined")
     cdc = Table(title="CDC source", title_justify="left")
     for column in ("kind", "name", "state", "detail"):
         cdc.add_column(column, overflow="fold")
@@ -222,7 +267,10 @@ def render(report: Report) -> Group:
             cdc.add_row("  table", scanned.table, _styled(scanned.status), rows)
     if report.snapshot_error:
         cdc.add_row("snapshot", "-", _styled("ERR"), report.snapshot_error)
-    parts: list[Table | Text] = [groups, regions, cdc]
+    parts: list[Table | Text] = [groups, regions]
+    if report.links or report.links_error:
+        parts.append(_links_table(report))
+    parts.append(cdc)
     if report.kafka.deadletters is not None:
         parts.append(
             Text(
@@ -235,6 +283,37 @@ def render(report: Report) -> Group:
     for problem in report.problems:
         parts.append(Text(f"  - {problem}", style=_COLOURS.get(report.severity, "")))
     return Group(*parts)
+
+
+def _rate(value: float) -> str:
+    return f"{_bytes(int(value))}/s"
+
+
+def _links_table(report: Report) -> Table:
+    """The WAN links: reachable, delay set and observed, throughput each way."""
+    table = Table(title="WAN links", title_justify="left")
+    columns = ("link", "state", "region", "behind", "delay", "observed", "up", "down", "conns")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    if report.links_error:
+        table.add_row("-", _styled("WARN"), "", "", "", "", "", "", report.links_error)
+    for link in report.links:
+        region = next((r for r in report.regions if r.link == link.name), None)
+        state = _styled(link.state)
+        if link.cut_for_s is not None:
+            state.append(f" {link.cut_for_s:.0f}s")
+        table.add_row(
+            link.name,
+            state,
+            region.region if region else "-",
+            _seconds(region.behind_seconds) if region else "-",
+            f"{link.delay_ms:g} ms",
+            f"{link.observed_delay_ms:.1f} ms",
+            _rate(link.bytes_per_s_up),
+            _rate(link.bytes_per_s_down),
+            str(link.connections),
+        )
+    return table
 
 
 async def _observe(monitor: Monitor, samples: int, interval_s: float) -> Report:
@@ -263,8 +342,13 @@ def register(app: typer.Typer) -> None:
         freshness_budget: BudgetOpt = 5.0,
         slot_wal_bound: WalOpt = 1024**3,
         sample_size: SampleOpt = 20,
+        state_dir: StateDirOpt = Path(".edgefeed"),
     ) -> None:
-        """Consumer lag (messages, seconds, Burrow status), region freshness, slots, connectors."""
+        """Consumer lag (messages, seconds, Burrow status), region freshness, slots, connectors.
+
+        With sites: each region's seconds behind and the WAN links (reachable,
+        delay set and observed, bytes per second each way).
+        """
         from monitoring import Monitor
 
         settings = settings_of(ctx)
@@ -273,6 +357,7 @@ def register(app: typer.Typer) -> None:
         config = run_reported(
             lambda: build_config(
                 settings,
+                state_dir=state_dir,
                 groups=group,
                 window=window,
                 min_interval_s=min(min_interval, interval),
@@ -334,6 +419,7 @@ def register(app: typer.Typer) -> None:
         freshness_budget: BudgetOpt = 5.0,
         slot_wal_bound: WalOpt = 1024**3,
         sample_size: SampleOpt = 20,
+        state_dir: StateDirOpt = Path(".edgefeed"),
     ) -> None:
         """Serve Prometheus metrics (kafka_exporter names plus edgefeed_*) on /metrics."""
         from monitoring import EndpointSecurity, Monitor, serve
@@ -347,6 +433,7 @@ def register(app: typer.Typer) -> None:
         config = run_reported(
             lambda: build_config(
                 settings,
+                state_dir=state_dir,
                 groups=group,
                 window=window,
                 min_interval_s=min(1.0, interval),

@@ -146,6 +146,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
             region=region,
             topic=names.region_topic(region),
             partitions=pipeline.partitions,
+            dead_letter_topic=names.region_dead_letter_topic(region),
             group=names.forward_group(region),
             source=settings.kafka.bootstrap_servers,
             target=target,
@@ -156,6 +157,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
             fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
             client_id=settings.kafka.client_id,
             request_timeout_ms=settings.sites.request_timeout_ms,
+            max_in_flight=settings.sites.forward_max_in_flight,
             from_beginning=from_beginning,
             kafka_options=settings.kafka.security.aiokafka_options(),
         )
@@ -168,7 +170,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
             loop.add_signal_handler(sig, forwarder.stop)
         await ensure_topics(
             settings.kafka.bootstrap_servers,
-            {names.region_topic(region): pipeline.partitions},
+            forwarder.topics,
             replication_factor=pipeline.replication_factor,
             client_options=settings.kafka.security.aiokafka_options(),
         )
@@ -180,12 +182,15 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
         while not task.done():
             await asyncio.wait([task], timeout=10)
             stats = forwarder.stats
+            timings = ", ".join(f"{k} {v:.0f}" for k, v in stats.timings().items())
             log.info(
-                "region %s: %d records in %d batches forwarded, %d retries",
+                "region %s: %d records in %d batches forwarded, %d retries; "
+                "recent batches (ms, records): %s",
                 region,
                 stats.records,
                 stats.batches,
                 stats.retries,
+                timings or "none",
             )
         await task
 

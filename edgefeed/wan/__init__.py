@@ -11,7 +11,7 @@ from __future__ import annotations
 from edgefeed.wan.control import ControlServer, WanControl
 from edgefeed.wan.exceptions import LinkSettingError, UnknownLinkError, WanControlError, WanError
 from edgefeed.wan.proxy import Link, LinkSpec
-from edgefeed.wan.shaping import DirectionSchedule, LinkParams, TokenBucket
+from edgefeed.wan.shaping import DirectionSchedule, LinkParams, RateMeter, TokenBucket
 
 __all__ = [
     "ControlServer",
@@ -20,6 +20,7 @@ __all__ = [
     "LinkParams",
     "LinkSettingError",
     "LinkSpec",
+    "RateMeter",
     "TokenBucket",
     "UnknownLinkError",
     "WanControl",

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from edgefeed.wan.shaping import DirectionSchedule, LinkParams
+from edgefeed.wan.shaping import DirectionSchedule, LinkParams, RateMeter
 
 __all__ = ["Link", "LinkSpec"]
 
@@ -77,10 +77,13 @@ class Link:
         self._tasks: set[asyncio.Task[None]] = set()
         self.bytes_up = 0
         self.bytes_down = 0
+        self.rate_up = RateMeter()
+        self.rate_down = RateMeter()
         self.connections_total = 0
         self.connections_open = 0
         self.observed_delay_ms = 0.0  # moving average of read-to-write time
         self.cut_since: float | None = None
+        self.endpoint_error: str | None = None  # the last connect to the endpoint failed
 
     @property
     def name(self) -> str:
@@ -142,18 +145,22 @@ class Link:
 
     def status(self) -> dict[str, Any]:
         params = self.params
+        now = time.time()
         return {
             "name": self.name,
             "listen": f"127.0.0.1:{self.spec.listen_port}",
             "target": f"{self.spec.target_host}:{self.spec.target_port}",
             "state": "healed" if self._healed.is_set() else "cut",
-            "cut_for_s": None if self.cut_since is None else round(time.time() - self.cut_since, 3),
+            "endpoint_error": self.endpoint_error,
+            "cut_for_s": None if self.cut_since is None else round(now - self.cut_since, 3),
             "delay_ms": params.delay_ms,
             "jitter_ms": params.jitter_ms,
             "bandwidth_mbit": params.bandwidth_mbit,
             "observed_delay_ms": round(self.observed_delay_ms, 3),
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
+            "bytes_per_s_up": round(self.rate_up.rate(now), 1),
+            "bytes_per_s_down": round(self.rate_down.rate(now), 1),
             "connections_open": self.connections_open,
             "connections_total": self.connections_total,
         }
@@ -174,7 +181,9 @@ class Link:
                 )
             except OSError as exc:
                 log.info("link %s: endpoint unreachable: %s", self.name, exc)
+                self.endpoint_error = f"{self.spec.target_host}:{self.spec.target_port}: {exc}"
                 return
+            self.endpoint_error = None
             pumps = [
                 asyncio.create_task(self._pump(client_r, upstream_w, self.up, stream, "up")),
                 asyncio.create_task(self._pump(upstream_r, client_w, self.down, stream, "down")),
@@ -230,8 +239,10 @@ class Link:
                 self.observed_delay_ms += (took_ms - self.observed_delay_ms) * 0.1
                 if direction == "up":
                     self.bytes_up += len(data)
+                    self.rate_up.add(len(data), time.time())
                 else:
                     self.bytes_down += len(data)
+                    self.rate_down.add(len(data), time.time())
         except OSError:
             pass
         finally:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from edgefeed.wan.exceptions import LinkSettingError
 
-__all__ = ["DirectionSchedule", "LinkParams", "TokenBucket"]
+__all__ = ["DirectionSchedule", "LinkParams", "RateMeter", "TokenBucket"]
 
 _BITS_PER_MBIT = 1_000_000
 
@@ -123,3 +123,34 @@ class DirectionSchedule:
     def forget(self, stream: int) -> None:
         """A connection closed: drop its ordering record."""
         self._last_arrival.pop(stream, None)
+
+
+class RateMeter:
+    """Bytes per second over the last ``window_s`` seconds, in one-second buckets.
+
+    A link's throughput as a monitor wants it: recent, not an average since the
+    start, and zero soon after traffic stops (a cut link shows 0 B/s).
+
+    Args:
+        window_s: Whole seconds the rate is averaged over.
+    """
+
+    def __init__(self, window_s: int = 5) -> None:
+        if window_s < 1:
+            raise LinkSettingError(f"rate window {window_s} s must be at least 1")
+        self.window_s = window_s
+        self._buckets: dict[int, int] = {}
+
+    def add(self, size: int, now: float) -> None:
+        second = int(now)
+        self._buckets[second] = self._buckets.get(second, 0) + size
+        if len(self._buckets) > self.window_s + 2:
+            for old in [s for s in self._buckets if s < second - self.window_s]:
+                del self._buckets[old]
+
+    def rate(self, now: float) -> float:
+        """Bytes per second over the ``window_s`` whole seconds before the current one."""
+        current = int(now)
+        first = current - self.window_s
+        total = sum(size for second, size in self._buckets.items() if first <= second < current)
+        return total / self.window_s

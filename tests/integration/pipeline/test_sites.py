@@ -10,6 +10,7 @@ worker per region as `edgefeed pipeline run` processes.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import signal
@@ -23,9 +24,11 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+import requests
 import yaml
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from e2e_harness import EDGEFEED, PipelineRun, shop_settings
+from prometheus_client.parser import text_string_to_metric_families
 from stackhelpers import REGIONS, drop_slot, free_ports, unique_name
 
 from connectors import deploy
@@ -53,6 +56,9 @@ USERS = {
 }
 MOVER = USERS["eu-west"][4]  # moves from eu-west to us-east
 POISON_USER = 790_000_001  # its event names an unknown region: dead-lettered centrally
+# A personal row of eu-west the router cannot route (no user id): its dead letter is
+# the router's, on eu-west's dead-letter topic, and the forwarder carries it to eu-west.
+POISON_MARKER = 7_654_321
 ITEMS = [100 + i for i in range(8)]
 KINDS = ("view", "click", "add_to_cart", "purchase")
 
@@ -65,11 +71,15 @@ class SitesRun(PipelineRun):
     offsets: dict[str, int]
 
     def spawn(self, name: str, args: list[str]) -> None:
+        self.spawn_command(name, ["pipeline", "run", *args])
+
+    def spawn_command(self, name: str, args: list[str]) -> None:
+        """Any `edgefeed` command as a process of the run (stopped with the rest)."""
         log = self.logs / f"{name}.log"
         self.offsets[name] = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as out:
             self.procs[name] = subprocess.Popen(
-                [EDGEFEED, "--settings", str(self.settings_file), "pipeline", "run", *args],
+                [EDGEFEED, "--settings", str(self.settings_file), *args],
                 cwd=self.logs,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -170,6 +180,52 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> fl
     raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
+def lag_report(run: SitesRun) -> dict[str, Any]:
+    """`edgefeed lag --json` on the sites (its exit code is the severity's: not checked)."""
+    result = subprocess.run(
+        [
+            EDGEFEED,
+            "--settings",
+            str(run.settings_file),
+            "lag",
+            "--json",
+            "--samples",
+            "1",
+            "--state-dir",
+            str(run.sites.state_dir),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode in (0, 3, 4), result.stderr.decode()[-2000:]
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def link_of(report: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(link for link in report["links"] if link["name"] == name)
+    return found
+
+
+def region_of(report: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(r for r in report["regions"] if r["region"] == name)
+    return found
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The exporter's samples, or {} while it is not serving yet."""
+    try:
+        body = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except requests.RequestException:
+        return {}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+
+
 def verified(run: SitesRun, regions: list[str]) -> bool:
     return verify(run.settings, regions).ok
 
@@ -244,6 +300,25 @@ def leaks(blobs: list[bytes], users: list[int]) -> set[int]:
     return {int(match) for blob in blobs for match in pattern.findall(blob)}
 
 
+async def produce_router_poison(run: SitesRun) -> None:
+    """A Debezium create of an eu-west user row without its id (the router's poison)."""
+    row = {"home_region": "eu-west", "country": "DE", "segment": POISON_MARKER}
+    envelope = {
+        "op": "c",
+        "before": None,
+        "after": row,
+        "source": {"ts_ms": 1, "schema": run.schema, "table": "users", "lsn": 1},
+        "ts_ms": 1,
+    }
+    topic = run.settings.sources[0].topic_for(f"{run.schema}.users")
+    producer = AIOKafkaProducer(bootstrap_servers=run.settings.kafka.bootstrap_servers)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, json.dumps(envelope).encode())
+    finally:
+        await producer.stop()
+
+
 @pytest.fixture(scope="module")
 def seeded(sites_run: SitesRun) -> SitesRun:
     """Items, users of every region and their events, a home-region move and a poison
@@ -271,6 +346,7 @@ def seeded(sites_run: SitesRun) -> SitesRun:
         "VALUES (%s, %s, 1, 1.00, 'mars', 'view')",
         (POISON_USER, ITEMS[0]),
     )
+    asyncio.run(asyncio.wait_for(produce_router_poison(run), 120))
     wait_for(
         "every region equals a recomputation", lambda: verified(run, run.settings.region_names)
     )
@@ -279,6 +355,20 @@ def seeded(sites_run: SitesRun) -> SitesRun:
 
 def test_personal_rows_stay_on_their_home_sites_broker_and_redis(seeded: SitesRun) -> None:
     run = seeded
+    names = run.settings.pipeline.names
+    marker = str(POISON_MARKER).encode()
+
+    def router_poison_on(region: str) -> bool:
+        bootstrap = run.settings.sites.bootstrap_of(region)
+        assert bootstrap is not None
+        records = asyncio.run(asyncio.wait_for(every_record(bootstrap), 120))
+        dead = records.get(names.region_dead_letter_topic(region), [])
+        return any(marker in blob and b"router" in blob for blob in dead)
+
+    # The router's dead letter of an eu-west personal row reaches eu-west's broker.
+    wait_for(
+        "the router's eu-west dead letter on eu-west's broker", lambda: router_poison_on("eu-west")
+    )
 
     for region in run.settings.region_names:
         bootstrap = run.settings.sites.bootstrap_of(region)
@@ -296,6 +386,9 @@ def test_personal_rows_stay_on_their_home_sites_broker_and_redis(seeded: SitesRu
             topic: found for topic, blobs in records.items() if (found := leaks(blobs, foreign))
         }
         assert not leaked, f"{region}'s broker holds other regions' users: {leaked}"
+        if region != "eu-west":
+            every_blob = [blob for blobs in records.values() for blob in blobs]
+            assert not any(marker in blob for blob in every_blob), f"eu-west poison on {region}"
         own = leaks([blob for blobs in records.values() for blob in blobs], USERS[region])
         assert own, f"{region}'s broker holds none of its own users (the check would be blind)"
         with redis.Redis.from_url(run.settings.region(region).redis_url) as client:
@@ -316,11 +409,28 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
     run = seeded
     regions = run.settings.region_names
     others = [r for r in regions if r != "eu-west"]
+    link = "central-eu-west"
+    (port,) = free_ports(1)
+    run.spawn_command(
+        "exporter",
+        [
+            "exporter",
+            "--port",
+            str(port),
+            "--interval",
+            "1",
+            "--state-dir",
+            str(run.sites.state_dir),
+        ],
+    )
+    link_up = ("edgefeed_link_up", (("link", link),))
+    behind = ("edgefeed_region_behind_seconds", (("link", link), ("region", "eu-west")))
+    wait_for("the exporter shows the link up", lambda: scrape(port).get(link_up) == 1.0)
     wait_for("the caches agree before the cut", lambda: verified(run, regions))
     probe = USERS["eu-west"][0]
     with redis.Redis.from_url(run.settings.region("eu-west").redis_url) as client:
         cached_before = {key: client.dump(key) for key in client.scan_iter(count=1000)}
-    run.wan.cut("central-eu-west")
+    run.wan.cut(link)
     try:
         add_events(run, current_homes(), 150, seed=3)
         took = wait_for(
@@ -334,11 +444,42 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
         with redis.Redis.from_url(run.settings.region("eu-west").redis_url) as client:
             assert client.exists(*cached_before) == len(cached_before)
         assert any(str(probe).encode() in key for key in cached_before)
+        # `edgefeed lag` and the exporter show the cut and eu-west falling behind;
+        # the other regions' links stay up.
+        lag = lag_report(run)
+        assert link_of(lag, link)["state"] == "CUT" and not link_of(lag, link)["reachable"]
+        assert lag["severity"] == "ERR"
+        assert any(p.startswith(f"link {link} CUT") for p in lag["problems"])
+        for other in others:
+            assert link_of(lag, f"central-{other}")["state"] == "UP"
+        assert region_of(lag, "eu-west")["link"] == link
+        assert (region_of(lag, "eu-west")["behind_seconds"] or 0) > 0
+        seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+        def exporter_shows_the_cut() -> bool:
+            seen.update(scrape(port))
+            return seen.get(link_up) == 0.0 and seen.get(behind, 0.0) > 0
+
+        wait_for("the exporter shows the cut and eu-west behind", exporter_shows_the_cut, 60)
     finally:
-        link = run.wan.heal("central-eu-west")
+        healed = run.wan.heal(link)
     caught_up = wait_for("eu-west after the heal", lambda: verified(run, ["eu-west"]))
-    print(f"eu-west caught up {caught_up:.1f} s after the heal; link: {link}")
+    print(f"eu-west caught up {caught_up:.1f} s after the heal; link: {healed}")
     assert verify(run.settings, regions).ok  # no loss, no double count anywhere
+    # They recover: the link is up again and eu-west is no longer behind.
+    lag = lag_report(run)
+    assert link_of(lag, link)["state"] == "UP" and link_of(lag, link)["cut_for_s"] is None
+    assert link_of(lag, link)["observed_delay_ms"] > 0
+    assert not any(p.startswith(f"link {link}") for p in lag["problems"])
+
+    def exporter_shows_recovery() -> bool:
+        samples = scrape(port)
+        return samples.get(link_up) == 1.0 and samples.get(behind, 1e9) < 5.0
+
+    wait_for("the exporter shows the link up and eu-west caught up", exporter_shows_recovery, 60)
+    exporter = run.procs.pop("exporter")
+    exporter.terminate()
+    exporter.wait(timeout=60)
 
 
 def entity_keys(run: SitesRun, region: str) -> dict[bytes, bytes | None]:

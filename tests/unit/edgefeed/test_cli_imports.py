@@ -68,6 +68,7 @@ def _run_help(args: list[str]) -> dict[str, object]:
         ["dev", "up", "--help"],
         ["demo", "--help"],
         ["demo", "run", "--help"],
+        ["demo", "sites", "--help"],
         ["connectors", "--help"],
         ["connectors", "apply", "--help"],
         ["pipeline", "--help"],

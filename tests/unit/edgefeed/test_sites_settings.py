@@ -131,7 +131,11 @@ def test_lag_watches_the_forwarders_of_regions_with_a_site() -> None:
         names.forward_group("eu-west"),  # its worker's group is on its own broker
         names.region_group("us-east"),  # shares the central broker
     )
-    assert build_config(settings_from_mapping(BASE)).groups == ()  # single site: as before
+    assert config.site_regions == ("eu-west",)
+    assert config.region_links == {"eu-west": "central-eu-west"}  # the link its changes cross
+    assert config.links is not None  # read from the local stack's WAN emulator
+    single = build_config(settings_from_mapping(BASE))
+    assert single.groups == () and single.links is None  # single site: as before
 
 
 def test_a_state_folder_too_deep_for_the_control_socket_is_a_clear_error(tmp_path: Path) -> None:
@@ -139,3 +143,30 @@ def test_a_state_folder_too_deep_for_the_control_socket_is_a_clear_error(tmp_pat
     stack = DevStack(settings_from_mapping(with_sites(SITES)), deep, with_connect=False)
     with pytest.raises(DevStackError, match="shorter --state-dir"):
         stack.service("wan").prepare()
+
+
+def test_the_sites_demo_line_shows_each_regions_freshness_and_a_cut_link() -> None:
+    from edgefeed.cli.demo_sites import freshness_line
+
+    line = freshness_line(
+        21.04,
+        {"eu-west": 12.345, "us-east": 0.42, "ap-southeast": None},
+        {"central-eu-west": "cut", "central-us-east": "up", "central-ap-southeast": "up"},
+    )
+    assert line.startswith("  t+ 21.0s  freshness: ")
+    assert "eu-west  12.3s [cut]" in line  # the cut region, growing
+    assert "us-east   0.4s" in line and "us-east   0.4s [" not in line  # up: no marker
+    assert "ap-southeast    -  " in line  # no vector yet
+
+
+def test_the_sites_demo_calls_a_region_caught_up_when_the_cut_no_longer_shows() -> None:
+    from edgefeed.cli.demo_sites import caught_up
+
+    behind = {"eu-west": 25.0, "us-east": 0.5, "ap-southeast": 0.7}
+    assert not caught_up(behind, "eu-west", 2.0)  # still paying for the cut
+    assert caught_up({**behind, "eu-west": 1.9}, "eu-west", 2.0)
+    # A loaded machine: every region 20 s behind; eu-west no worse than the rest.
+    loaded = {"eu-west": 21.0, "us-east": 20.0, "ap-southeast": 20.5}
+    assert caught_up(loaded, "eu-west", 2.0)
+    assert not caught_up({**loaded, "eu-west": 23.0}, "eu-west", 2.0)
+    assert not caught_up({**loaded, "eu-west": None}, "eu-west", 2.0)  # no vector yet

@@ -88,6 +88,8 @@ async def test_an_unreachable_endpoint_closes_the_client_connection() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", spec.listen_port)
         assert await reader.read(10) == b""
         writer.close()
+        # The monitor's "reachable" relies on it: the link names the endpoint it failed.
+        assert f"127.0.0.1:{spec.target_port}" in running.status()["endpoint_error"]
     finally:
         await running.close()
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from edgefeed.wan import DirectionSchedule, LinkParams, LinkSettingError, TokenBucket
+from edgefeed.wan import DirectionSchedule, LinkParams, LinkSettingError, RateMeter, TokenBucket
 
 
 def test_bucket_sends_a_burst_at_once_then_paces_at_the_rate() -> None:
@@ -69,3 +69,15 @@ def test_bad_settings_are_typed_errors_naming_the_value(
     with pytest.raises(LinkSettingError, match=named):
         LinkParams(**values)
     assert issubclass(LinkSettingError, ValueError)
+
+
+def test_rate_meter_averages_the_last_whole_seconds_and_falls_to_zero_when_idle() -> None:
+    meter = RateMeter(window_s=5)
+    for second in range(100, 110):
+        meter.add(1000, second + 0.5)
+        meter.add(1000, second + 0.9)
+    assert meter.rate(110.2) == 2000.0  # seconds 105..109, 2,000 B each
+    assert meter.rate(112.0) == 1200.0  # 107..111: three busy seconds of five
+    assert meter.rate(200.0) == 0.0  # a cut or idle link shows no traffic
+    with pytest.raises(LinkSettingError, match="rate window 0"):
+        RateMeter(window_s=0)

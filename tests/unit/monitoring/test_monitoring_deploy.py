@@ -202,6 +202,8 @@ def test_alert_rules_and_dashboard_use_metrics_the_exporter_emits() -> None:
         "EdgefeedReplicationSlotWalOverBound",
         "EdgefeedConnectorTaskFailed",
         "EdgefeedDeadLettersRising",
+        "EdgefeedLinkCut",
+        "EdgefeedRegionBehind",
     ):
         assert wanted in alerts
     used = set()
@@ -221,3 +223,25 @@ def test_alert_rules_and_dashboard_use_metrics_the_exporter_emits() -> None:
     grafana = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]
     mounted = {v.split(":")[1] for v in grafana["volumes"]}
     assert provider["providers"][0]["options"]["path"] in mounted
+
+
+def test_the_dashboard_and_alerts_show_the_sites_links_and_regions_behind() -> None:
+    dashboard = json.loads(
+        (ROOT / "deploy" / "grafana" / "dashboards" / "edgefeed.json").read_text()
+    )
+    shown = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            shown |= _metric_names(target["expr"])
+    for wanted in (
+        "edgefeed_link_up",
+        "edgefeed_link_observed_delay_seconds",
+        "edgefeed_link_bytes_per_second",
+        "edgefeed_region_behind_seconds",
+    ):
+        assert wanted in shown, f"no dashboard panel shows {wanted}"
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+    assert "edgefeed_link_up" in _metric_names(alerts["EdgefeedLinkCut"]["expr"])
+    assert "edgefeed_region_behind_seconds" in _metric_names(alerts["EdgefeedRegionBehind"]["expr"])
