@@ -38,9 +38,10 @@ from pipeline.faustcompat import (
 )
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
+from pipeline.homes import HomeBook
 from pipeline.messages import encode_packs
 from pipeline.metrics import PipelineMetrics
-from pipeline.names import STATE_TABLE
+from pipeline.names import HOMES_TABLE, STATE_TABLE
 from pipeline.routing import Router
 from pipeline.runtime import BatchPolicy, Delivery, QuietBatches, RegionRuntime
 from pipeline.statestore import checkpoint_key, rebuild_states, store_state
@@ -129,7 +130,13 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
     app = faust_app(app_id, config)
     fetch_wait: FetchWait = app.edgefeed_fetch_wait  # type: ignore[attr-defined]
     measured = _metrics(metrics)
-    router = Router(config.entities, config.tables, config.region_names)
+    # The book of entity homes (pipeline.homes) lives in a table of one partition,
+    # recovered from its changelog before the agent routes anything: one router
+    # process holds every home (a second router would see only part of them).
+    homes = app.Table(HOMES_TABLE, partitions=1, key_type=str)
+    home_sent: list[Any] = []
+    home_records = PartitionWriter(homes, 0, home_sent)
+    router = Router(config.entities, config.tables, config.region_names, HomeBook(home_records))
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
     partitions = config.pipeline.partitions
     source = app.topic(*config.fed_topics(), key_serializer="raw", value_serializer="raw")
@@ -221,9 +228,22 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
                 for partition in targets:  # a truncate reaches every partition
                     packs.setdefault((message.region, partition), []).append(body)
             routed_events.inc()
+        sent: list[Any] = []
         for (region_name, partition), bodies in packs.items():
             for pack in encode_packs(bodies):
-                await outputs[region_name].send(value=pack, partition=partition)
+                sent.append(await outputs[region_name].send(value=pack, partition=partition))
+        if router.homes.pending:
+            # A home changed (a move, a new entity): its record is written only once
+            # the regional messages it decided (the evictions) are delivered, and the
+            # batch is acked only once the record is: a router that dies in between
+            # routes the batch again with the old homes and evicts again.
+            await wait_delivered(app, sent)
+            router.homes.flush()
+            await wait_delivered(app, home_sent)
+            # Closed by a lone record, as the regional changelogs are (Tansu reports a
+            # partition's end as the start of its last batch; _FaustChangelog.close).
+            home_records[checkpoint_key(0)] = {"at_ms": int(time.time() * 1000)}
+            await wait_delivered(app, home_sent)
         for event in events:
             await acker.stream.ack(event)
 
