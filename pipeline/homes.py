@@ -75,6 +75,7 @@ class HomeBook:
     def __init__(self, records: MutableMapping[str, Any] | None = None) -> None:
         self.records: MutableMapping[str, Any] = records if records is not None else {}
         self.pending: dict[str, dict[str, Any]] = {}
+        self._undo: list[tuple[str, dict[str, Any] | None]] = []  # since begin()
 
     def get(self, key: str) -> Home | None:
         """The entity's home, if the router has seen any of its personal rows."""
@@ -83,8 +84,23 @@ class HomeBook:
             record = self.records.get(key)
         return None if record is None else Home.from_record(record)
 
+    def begin(self) -> None:
+        """Start routing one change: :meth:`rollback` undoes what it records."""
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        """Undo the records of the change being routed (it was dead-lettered: the
+        moves it decided were never sent)."""
+        for key, before in reversed(self._undo):
+            if before is None:
+                self.pending.pop(key, None)
+            else:
+                self.pending[key] = before
+        self._undo.clear()
+
     def put(self, key: str, home: Home) -> None:
         """Record the entity's home (kept until :meth:`flush`)."""
+        self._undo.append((key, self.pending.get(key)))
         self.pending[key] = home.to_record()
 
     def flush(self) -> int:

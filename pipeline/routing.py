@@ -147,9 +147,20 @@ class Router:
     def route(self, change: Change) -> list[RegionMessage]:
         """The regional messages for one change (empty for tables nobody reads).
 
+        What it records in the book of homes, :meth:`HomeBook.rollback` undoes (a
+        change that fails here, or later, is dead-lettered and decides nothing).
+
         Raises:
             PoisonEventError: the row lacks a key or home region, or names an unknown region.
         """
+        self.homes.begin()
+        try:
+            return self._route(change)
+        except BaseException:
+            self.homes.rollback()
+            raise
+
+    def _route(self, change: Change) -> list[RegionMessage]:
         feeds = self.feeds.get(change.table)
         if feeds is None:
             return []

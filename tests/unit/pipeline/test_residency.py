@@ -240,3 +240,17 @@ def test_a_moved_users_vectors_equal_a_recomputation_from_the_final_rows() -> No
             assert held == expected[region].vectors.get(entity, {}), (region, entity)
     us_east = regions.vector("us-east", "user:7")
     assert us_east is not None and us_east["views_30m"] == 2  # events 2 and 4
+
+
+def test_a_move_that_is_dead_lettered_decides_nothing() -> None:
+    """The router encodes a change after routing it; one it cannot encode is
+    dead-lettered, and the move it recorded is undone (its eviction was never sent)."""
+    regions = Regions()
+    regions.feed(change("users", "c", None, user("eu-west"), 10))
+    router = regions.router
+    router.route(change("users", "u", None, user("us-east"), 20))
+    router.homes.rollback()  # what the app does when the encoding fails
+    home = router.homes.get("user:7")
+    assert home is not None and home.region == "eu-west"
+    again = router.route(change("users", "u", None, user("us-east"), 21))
+    assert [(m.region, m.value["op"]) for m in again] == [("us-east", "u"), ("eu-west", "x")]
