@@ -310,6 +310,39 @@ class Suite:
 
             return inject
 
+        def pause(service: str, app: bool, seconds: float) -> Callable[[], None]:
+            # SIGSTOP of the whole process group (PostgreSQL's backends, Connect's
+            # JVM threads, a worker), then SIGCONT: a hung process, not a dead one.
+            # Longer than the session timeout, a paused worker is put out of its
+            # group and resumes as a stale owner (the rebalance race).
+            def inject() -> None:
+                name = f"{self.stack._APP_PREFIX}{service}" if app else service
+                record = read_pid(self.stack.pid_path(name))
+                if record is None or not record.alive():
+                    raise RuntimeError(f"{name} is not running: nothing to pause")
+                os.killpg(record.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(seconds)
+                finally:
+                    os.killpg(record.pid, signal.SIGCONT)
+
+            return inject
+
+        def restart_redis_keeping_data(region: str) -> Callable[[], None]:
+            # Writes held (CLIENT PAUSE WRITE), a snapshot, kill -9, restart: the
+            # server loads the snapshot and holds exactly what it held before.
+            def inject() -> None:
+                service = f"redis-{region}"
+                with redis.Redis.from_url(self.settings.region(region).redis_url) as client:
+                    client.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+                    client.execute_command("SAVE")
+                self.kill9(service, app=False)
+                self.stack.up()
+                # Later faults of this Redis lose their data, as before.
+                (self.stack.service(service).home / "dump.rdb").unlink(missing_ok=True)
+
+            return inject
+
         def scale_out() -> None:
             # Two more workers join eu-west's group; one of them is killed -9.
             self.start_app("eu-west-2", region="eu-west")
@@ -335,9 +368,18 @@ class Suite:
                 ("kill -9 worker us-east", restart_app("us-east")),
                 ("kill -9 worker ap-southeast", restart_app("ap-southeast")),
                 ("kill -9 Redis us-east (data lost)", restart_service("redis-us-east")),
+                ("kill -9 Redis eu-west (data kept)", restart_redis_keeping_data("eu-west")),
                 ("kill -9 Kafka Connect", restart_service("connect")),
                 ("kill -9 PostgreSQL", restart_service("postgres")),
+                ("pause Kafka Connect 10 s", pause("connect", False, 10)),
+                ("pause PostgreSQL 10 s", pause("postgres", False, 10)),
+                ("pause router 10 s", pause("router", True, 10)),
+                ("pause worker us-east 10 s", pause("us-east", True, 10)),
+                ("pause worker ap-southeast 10 s", pause("ap-southeast", True, 10)),
                 ("eu-west scaled to 3 workers, one killed -9", scale_out),
+                # Two eu-west workers now: the paused one's partitions move to the
+                # other, and it resumes as their stale owner.
+                ("pause worker eu-west 10 s (2 in its group)", pause("eu-west", True, 10)),
             ]
         return chosen
 
