@@ -26,7 +26,7 @@ from pipeline.homes import Home, HomeBook, Position
 from pipeline.messages import RegionalChange, check_entity_id
 from pipeline.settings import EntitySettings
 
-__all__ = ["RegionMessage", "Router", "row_key"]
+__all__ = ["HELD_ROWS", "RegionMessage", "Router", "row_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,9 @@ def row_key(row: Mapping[str, Any], columns: Sequence[str], table: str) -> str:
     return "|".join(parts)
 
 
+HELD_ROWS = 1000  # rows per entity the router keeps that named another region than its home
+
+
 @dataclass(frozen=True, slots=True)
 class _Feed:
     entity: str
@@ -97,6 +100,13 @@ class Router:
         self.tables = dict(tables)
         self.regions = tuple(regions)
         self.homes = homes if homes is not None else HomeBook()
+        # Entity key -> pk -> (region, change): the newest version of each personal
+        # row that named another region than its entity's home, so it counted
+        # nowhere. Should the entity move to that region, the row counts there:
+        # it is sent then (the Debezium topics are not ordered with one another, so
+        # an event written after a move may be read before it). In memory only, and
+        # at most HELD_ROWS rows per entity.
+        self.held: dict[str, dict[str, tuple[str, RegionalChange]]] = {}
         self.feeds: dict[str, list[_Feed]] = {}
         entities = list(entities)
         # Entities whose own table is personal: their home is their own row's.
@@ -247,6 +257,13 @@ class Router:
                     forget[region] = max(at, forget.get(region, position))
         for region, at in forget.items():
             messages.append(RegionMessage(region, _removal(body, "x", at)))
+        moved = known is None or known.region != tagged
+        held = self.held.pop(key, None) if moved else None
+        if held and body.op != "x":
+            # The entity's rows that name its (new) home count there now.
+            messages.extend(
+                RegionMessage(tagged, row) for region, row in held.values() if region == tagged
+            )
         if known is None or known.region != tagged or known.provisional:
             self.homes.put(key, Home(tagged, position))
         return messages
@@ -271,12 +288,26 @@ class Router:
                 home.provisional[region] = max(body.position, home.provisional.get(region, (0, 0)))
             self.homes.put(key, home)
             return messages
+        held = self.held.get(key)
+        if held is not None and held.pop(body.pk, None) is not None and not held:
+            del self.held[key]
         if body.op == "d" or tagged == known.region:
             return [RegionMessage(known.region, body)]
         # The row names another region than its entity's home (an old event of a
         # user who moved, or a row re-tagged alone): it does not count for the
         # entity, and its data goes nowhere; the home drops any version it held.
+        rows = self.held.setdefault(key, {})
+        if len(rows) < HELD_ROWS and _encodable(body):
+            rows[body.pk] = (tagged, body)
         return [RegionMessage(known.region, _removal(body, "d"))]
+
+
+def _encodable(body: RegionalChange) -> bool:
+    try:
+        body.encode()
+    except PoisonEventError:
+        return False  # dead-lettered by the router; never sent later either
+    return True
 
 
 def _removal(body: RegionalChange, op: Any, at: Position | None = None) -> RegionalChange:

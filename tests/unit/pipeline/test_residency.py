@@ -254,3 +254,40 @@ def test_a_move_that_is_dead_lettered_decides_nothing() -> None:
     assert home is not None and home.region == "eu-west"
     again = router.route(change("users", "u", None, user("us-east"), 21))
     assert [(m.region, m.value["op"]) for m in again] == [("us-east", "u"), ("eu-west", "x")]
+
+
+def test_events_read_before_their_users_move_count_once_the_move_is_read() -> None:
+    """The Debezium topics are not ordered with one another: the events written after
+    a move (naming the new region) may be routed before it."""
+    regions = Regions()
+    regions.feed(
+        change("users", "c", None, user("eu-west"), 10),
+        change("events", "c", None, event(1, "eu-west"), 11),
+    )
+    early = regions.feed(
+        change("events", "c", None, event(2, "us-east"), 21),
+        change("events", "u", event(1, "eu-west"), event(1, "us-east"), 22),
+    )
+    assert user_messages(early, "us-east") == []  # the router does not know the move yet
+    regions.feed(change("users", "u", user("eu-west"), user("us-east"), 20))
+    assert regions.vector("eu-west", "user:7") is None
+    moved = regions.vector("us-east", "user:7")
+    assert moved is not None and moved["views_30m"] == 2  # events 1 and 2, as recomputed
+    expected = expected_vectors(
+        SETTINGS.entities,
+        SETTINGS.tables(),
+        REGIONS,
+        {
+            "public.users": [user("us-east")],
+            "public.events": [event(1, "us-east"), event(2, "us-east")],
+        },
+    )
+    assert expected["us-east"].vectors["user"]["7"] == moved
+
+
+def test_a_moved_users_stale_rows_stay_out_after_an_unrelated_update() -> None:
+    regions = moved_user()
+    regions.feed(change("events", "u", event(1, "eu-west"), event(1, "eu-west", "click"), 30))
+    sent = regions.feed(change("users", "u", user("us-east"), user("us-east", segment=4), 31))
+    assert user_messages(sent, "eu-west") == []
+    assert [m["op"] for m in user_messages(sent, "us-east")] == ["u"]
