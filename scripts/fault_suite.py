@@ -45,7 +45,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa:
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
-from edgefeed.devstack.process import read_pid  # noqa: E402
+from edgefeed.devstack.process import port_in_use, read_pid, wait_until  # noqa: E402
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
 from edgefeed.verify import verify  # noqa: E402
@@ -198,6 +198,13 @@ class Suite:
             deadline = time.monotonic() + 30
             while record.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            if not app:
+                # A multi-threaded process (Connect's JVM) shows as a zombie once its
+                # main thread is gone, while its other threads still hold the port
+                # until the last exits: wait for the port, or the restart finds it
+                # taken ("a process the local stack did not start").
+                port = self.stack.service(service).port
+                wait_until(lambda: not port_in_use(port), timeout_s=30)
 
     # -- measuring
 
