@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa:
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
-from edgefeed.devstack.process import port_in_use, read_pid, wait_until  # noqa: E402
+from edgefeed.devstack.process import (  # noqa: E402
+    port_in_use,
+    read_pid,
+    stop_pid,
+    wait_until,
+)
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
 from edgefeed.verify import verify  # noqa: E402
@@ -193,18 +199,22 @@ class Suite:
     def kill9(self, service: str, app: bool) -> None:
         name = f"{self.stack._APP_PREFIX}{service}" if app else service
         record = read_pid(self.stack.pid_path(name))
-        if record is not None and record.alive():
-            os.kill(record.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while record.alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not app:
-                # A multi-threaded process (Connect's JVM) shows as a zombie once its
-                # main thread is gone, while its other threads still hold the port
-                # until the last exits: wait for the port, or the restart finds it
-                # taken ("a process the local stack did not start").
-                port = self.stack.service(service).port
-                wait_until(lambda: not port_in_use(port), timeout_s=30)
+        if record is None or not record.alive():
+            return
+        if not app:
+            # The whole service, as a container's kill: PostgreSQL's backends die
+            # with the postmaster (a live backend, or the unreaped postmaster named
+            # in postmaster.pid, keeps the restarted server from starting).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(record.pid, signal.SIGKILL)
+        stop_pid(record, sig=signal.SIGKILL, timeout_s=30)  # waits, and reaps it
+        if not app:
+            # A multi-threaded process (Connect's JVM) shows as a zombie once its
+            # main thread is gone, while its other threads still hold the port
+            # until the last exits: wait for the port, or the restart finds it
+            # taken ("a process the local stack did not start").
+            port = self.stack.service(service).port
+            wait_until(lambda: not port_in_use(port), timeout_s=30)
 
     # -- measuring
 
