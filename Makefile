@@ -7,7 +7,7 @@ STAMP := $(VENV)/.edgefeed-installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help install demo test test-unit lint bench bench-peers-serving bench-peers-pipeline faults faults-short security-scan up down clean
+.PHONY: help install demo lab test test-unit lint bench bench-peers-serving bench-peers-pipeline faults faults-short security-scan up down clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -20,6 +20,9 @@ install: $(STAMP) ## Install system packages (if missing), the venv and the proj
 
 demo: $(STAMP) ## Bring up the local stack and run the end-to-end demo
 	$(BIN)/edgefeed --settings examples/edgefeed.yaml demo run
+
+lab: $(STAMP) ## The latency lab on the local stack: central vs edge, every term (docs/latency-lab.md)
+	$(BIN)/edgefeed --settings examples/edgefeed.yaml lab run
 
 test: $(STAMP) ## Lint, type-check, then run the whole test suite (starts the real services itself)
 	$(BIN)/ruff check .

@@ -14,13 +14,31 @@ __all__ = [
     "CONNECTOR_CLASS",
     "HEARTBEAT_TABLE",
     "heartbeat_query",
+    "notification_topic",
     "render_connector_config",
+    "signal_table",
     "worker_provider_properties",
 ]
 
 CONNECTOR_CLASS = "io.debezium.connector.postgresql.PostgresConnector"
 HEARTBEAT_TABLE = "public.edgefeed_heartbeat"
 JSON_CONVERTER = "org.apache.kafka.connect.json.JsonConverter"
+SIGNAL_TABLE_PREFIX = "public.edgefeed_signal_"
+
+
+def signal_table(source: SourceSettings) -> str:
+    """The source's Debezium signal table (``execute-snapshot`` goes there).
+
+    One per source, not one shared: every connector reads the signals of the
+    tables in its publication, and a signal meant for one connector would make
+    the others open snapshot windows for tables they do not capture.
+    """
+    return f"{SIGNAL_TABLE_PREFIX}{source.name}"
+
+
+def notification_topic(source: SourceSettings) -> str:
+    """The topic Debezium's sink notification channel writes snapshot progress to."""
+    return f"{source.effective_topic_prefix}.notifications"
 
 
 _PROVIDERS = "org.apache.kafka.common.config.provider"
@@ -83,7 +101,7 @@ def render_connector_config(database: DatabaseSettings, source: SourceSettings) 
         "database.password": database.connect_password_reference(),
         "database.dbname": database.dbname,
         "topic.prefix": source.effective_topic_prefix,
-        "table.include.list": ",".join([*tables, HEARTBEAT_TABLE]),
+        "table.include.list": ",".join([*tables, HEARTBEAT_TABLE, signal_table(source)]),
         "message.key.columns": key_columns,
         "slot.name": source.effective_slot_name,
         "publication.name": source.effective_publication,
@@ -103,6 +121,12 @@ def render_connector_config(database: DatabaseSettings, source: SourceSettings) 
         "value.converter": JSON_CONVERTER,
         "key.converter.schemas.enable": schemas,
         "value.converter.schemas.enable": schemas,
+        # Incremental snapshots (``edgefeed connectors snapshot``): signals are rows of
+        # the signal table, read from the WAL like any change; progress goes to a topic.
+        "signal.data.collection": signal_table(source),
+        "signal.enabled.channels": "source",
+        "notification.enabled.channels": "sink",
+        "notification.sink.topic.name": notification_topic(source),
         "topic.creation.default.partitions": str(source.partitions),
         "topic.creation.default.replication.factor": str(source.replication_factor),
     }

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from connectors.config import HEARTBEAT_TABLE
+from connectors.config import HEARTBEAT_TABLE, signal_table
 from connectors.exceptions import SourceValidationError
 from connectors.secrets import redact
 from connectors.settings import DatabaseSettings, SourceSettings, TableSettings
@@ -28,6 +28,16 @@ __all__ = [
 
 
 _HEARTBEAT_DDL = "CREATE TABLE IF NOT EXISTS {} (source text PRIMARY KEY, ts timestamptz NOT NULL)"
+# Debezium's signal table layout (id, type, data in this order: it inserts its
+# snapshot watermarks positionally).
+_SIGNAL_DDL = (
+    "CREATE TABLE IF NOT EXISTS {} "
+    "(id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
+)
+
+
+def _signal_identifier(source: SourceSettings) -> sql.Identifier:
+    return sql.Identifier(*signal_table(source).split("."))
 
 
 def _connect(database: DatabaseSettings) -> psycopg.Connection[tuple[object, ...]]:
@@ -87,10 +97,13 @@ def check_sources(database: DatabaseSettings, sources: Sequence[SourceSettings])
 
 
 def prepare_database(database: DatabaseSettings, sources: Sequence[SourceSettings]) -> None:
-    """Create the heartbeat table and set REPLICA IDENTITY FULL where declared (idempotent)."""
+    """Create the heartbeat table and each source's signal table, and set REPLICA
+    IDENTITY FULL where declared (idempotent)."""
     schema, table = HEARTBEAT_TABLE.split(".")
     with _connect(database) as conn:
         conn.execute(sql.SQL(_HEARTBEAT_DDL).format(sql.Identifier(schema, table)))
+        for source in sources:
+            conn.execute(sql.SQL(_SIGNAL_DDL).format(_signal_identifier(source)))
         for source in sources:
             for declared in source.tables:
                 if declared.replica_identity != "full":
@@ -162,6 +175,8 @@ def prepare_replication_role(database: DatabaseSettings, sources: Sequence[Sourc
                 )
             )
             conn.execute(sql.SQL(_HEARTBEAT_DDL).format(heartbeat))
+            for source in sources:
+                conn.execute(sql.SQL(_SIGNAL_DDL).format(_signal_identifier(source)))
             tables = [t for source in sources for t in source.tables]
             schemas = {t.schema_name for t in tables} | {HEARTBEAT_TABLE.split(".")[0]}
             for schema in sorted(schemas):
@@ -179,10 +194,18 @@ def prepare_replication_role(database: DatabaseSettings, sources: Sequence[Sourc
                 sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(heartbeat, name)
             )
             for source in sources:
+                # Debezium writes the incremental snapshot's window watermarks there.
+                conn.execute(
+                    sql.SQL("GRANT SELECT, INSERT ON {} TO {}").format(
+                        _signal_identifier(source), name
+                    )
+                )
+            for source in sources:
                 listed = sql.SQL(", ").join(
                     [
                         *(sql.Identifier(t.schema_name, t.table_name) for t in source.tables),
                         heartbeat,
+                        _signal_identifier(source),
                     ]
                 )
                 publication = sql.Identifier(source.effective_publication)

@@ -10,6 +10,9 @@ __all__ = [
     "ConnectorFailedError",
     "ConnectorInvalidError",
     "ConnectorsError",
+    "SnapshotFilterError",
+    "SnapshotTableError",
+    "SnapshotUnavailableError",
     "SourceValidationError",
 ]
 
@@ -62,3 +65,24 @@ class ConnectorFailedError(ConnectorsError):
     """A connector or one of its tasks is FAILED; the message carries the cause
     from the task trace. Retryable after the cause is fixed
     (``edgefeed connectors restart``)."""
+
+
+class SnapshotTableError(ConnectorsError, ValueError):
+    """An incremental snapshot was asked for a table no source captures. Not
+    retryable: declare the table under a source and ``edgefeed connectors apply``,
+    or name a captured one. Nothing was signalled."""
+
+
+class SnapshotFilterError(ConnectorsError, ValueError):
+    """A snapshot filter is not a valid SQL condition on its table (PostgreSQL's
+    own reason is in the message). Not retryable: fix the filter. Nothing was
+    signalled."""
+
+
+class SnapshotUnavailableError(ConnectorsError):
+    """The table's connector cannot take a snapshot signal now: it is not
+    deployed, not running, or deployed without the signal table. Retryable once
+    ``edgefeed connectors apply`` (or ``restart``) has fixed it. Nothing was
+    signalled."""
+
+    retryable = True

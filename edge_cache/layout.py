@@ -203,6 +203,20 @@ class KeyLayout:
         """The registry key of one schema version (``ef:schema:user:2``)."""
         return f"{self.namespace}:schema:{entity}:{version}"
 
+    def declaration_key(self, entity: str, version: int) -> str:
+        """What a schema version was declared as (``ef:schemadecl:user:2``): the
+        pipeline's entity declaration, registered by ``edgefeed features apply``."""
+        return f"{self.namespace}:schemadecl:{entity}:{version}"
+
+    def backfill_key(self, entity: str, version: int) -> str:
+        """The tables a version still has to snapshot (``ef:backfill:user:2``): JSON
+        list, ``[]`` once signalled."""
+        return f"{self.namespace}:backfill:{entity}:{version}"
+
+    def writer_marker_pattern(self) -> str:
+        """A SCAN pattern matching every writer marker (``ef:writer:*``)."""
+        return f"{self.namespace}:writer:*"
+
     def writer_marker_key(self, writer: str) -> str:
         """A key one writer process keeps alive (with an expiry it refreshes) to notice
         that the cache lost its data: gone while the writer lives means the Redis was

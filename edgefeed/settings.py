@@ -25,7 +25,7 @@ from connectors.settings import ConnectSettings, DatabaseSettings, SourceSetting
 from edge_cache.settings import RegionSettings
 from edgefeed.errors import EdgefeedError
 from edgefeed.sites import SitesSettings
-from pipeline.settings import EntitySettings, KafkaSettings, PipelineSettings
+from pipeline.settings import EntitySettings, FeatureReader, KafkaSettings, PipelineSettings
 
 __all__ = [
     "EdgefeedSettings",
@@ -65,6 +65,7 @@ class EdgefeedSettings(BaseSettings):
     sources: list[SourceSettings] = Field(default_factory=list)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
     entities: list[EntitySettings] = Field(default_factory=list)
+    models: list[FeatureReader] = Field(default_factory=list)
     sites: SitesSettings = Field(default_factory=SitesSettings)
 
     @model_validator(mode="after")

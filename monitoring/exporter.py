@@ -68,12 +68,15 @@ METRIC_NAMES: tuple[str, ...] = (
     "edgefeed_connector_state",
     "edgefeed_connector_task_state",
     "edgefeed_connector_failed_tasks",
+    "edgefeed_snapshot_state",
+    "edgefeed_snapshot_rows",
     "edgefeed_up",
     "edgefeed_monitor_severity",
     "edgefeed_monitor_last_collect_timestamp_seconds",
     "edgefeed_monitor_collect_duration_seconds",
 )
 
+_SNAPSHOT_STATES = ("RUNNING", "PAUSED", "COMPLETED", "ABORTED")
 _CONNECT_STATES = ("RUNNING", "PAUSED", "STOPPED", "FAILED", "UNASSIGNED", "RESTARTING", "ABSENT")
 
 
@@ -344,6 +347,23 @@ class ReportCollector(Collector):
                     )
             failed.add_metric([c.name], sum(1 for t in c.tasks if t.state == "FAILED"))
         yield from (state, task_state, failed)
+        snapshot = _gauge(
+            "edgefeed_snapshot_state",
+            "1 for the state of the connector's newest incremental snapshot.",
+            ["connector", "state"],
+        )
+        rows = _gauge(
+            "edgefeed_snapshot_rows",
+            "Rows the newest incremental snapshot read, per table whose scan completed.",
+            ["connector", "table"],
+        )
+        for snap in report.snapshots:
+            for value in _SNAPSHOT_STATES:
+                snapshot.add_metric([snap.connector, value], 1.0 if snap.state == value else 0.0)
+            for table in snap.tables:
+                if table.rows is not None:
+                    rows.add_metric([snap.connector, table.table], table.rows)
+        yield from (snapshot, rows)
 
 
 def make_registry(collector: ReportCollector) -> CollectorRegistry:

@@ -17,6 +17,8 @@ __all__ = [
     "RegionState",
     "Report",
     "SlotReport",
+    "SnapshotReport",
+    "SnapshotTable",
     "TaskReport",
     "TopicOffsets",
 ]
@@ -192,6 +194,47 @@ class ConnectorReport:
 
 
 @dataclass(frozen=True, slots=True)
+class SnapshotTable:
+    """One table of an incremental snapshot.
+
+    Attributes:
+        rows: Rows read, once its scan completed (Debezium reports no count before).
+        status: PENDING, RUNNING, or Debezium's scan status (SUCCEEDED, EMPTY, ...).
+    """
+
+    table: str
+    rows: int | None
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReport:
+    """A connector's newest incremental snapshot (``edgefeed connectors snapshot``).
+
+    Attributes:
+        id: Debezium's notification id of the snapshot.
+        state: RUNNING, PAUSED, COMPLETED or ABORTED.
+        current_table: The table being read, while one is.
+        last_key / max_key: The last key read of it and its largest key (how far).
+        updated_ms: When the newest notification was written.
+    """
+
+    connector: str
+    id: str
+    state: str
+    tables: tuple[SnapshotTable, ...]
+    current_table: str | None
+    last_key: str | None
+    max_key: str | None
+    updated_ms: int | None
+
+    @property
+    def rows(self) -> int:
+        """Rows read by the tables done so far."""
+        return sum(t.rows or 0 for t in self.tables)
+
+
+@dataclass(frozen=True, slots=True)
 class Report:
     """Everything one round collected, and the overall severity."""
 
@@ -204,6 +247,8 @@ class Report:
     problems: tuple[str, ...]
     cdc_error: str | None = None
     connect_error: str | None = None
+    snapshots: tuple[SnapshotReport, ...] = ()
+    snapshot_error: str | None = None
 
     def group(self, name: str) -> GroupReport | None:
         return next((g for g in self.kafka.groups if g.group == name), None)

@@ -28,9 +28,11 @@ from monitoring.model import (
     RegionState,
     Report,
     SlotReport,
+    SnapshotReport,
     TaskReport,
     TopicOffsets,
 )
+from monitoring.snapshots import read_snapshots
 from monitoring.status import (
     SEVERITY_OF,
     Observation,
@@ -78,6 +80,8 @@ class SourceTarget:
     name: str
     connector: str
     slot: str
+    #: Where its connector writes snapshot notifications (None: not read).
+    notification_topic: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,11 +206,24 @@ class Monitor:
             if config.connect_url
             else _nothing()
         )
+        watched = {s.connector: s.notification_topic for s in config.sources}
+        snapshot_task = read_snapshots(
+            config.bootstrap_servers,
+            {name: topic for name, topic in watched.items() if topic},
+            client_id=config.client_id,
+            timeout_s=config.timeout_s,
+            client_options=config.kafka_options,
+        )
         results = await asyncio.gather(
-            kafka_task, slot_task, connect_task, *region_tasks, return_exceptions=True
+            kafka_task,
+            slot_task,
+            connect_task,
+            snapshot_task,
+            *region_tasks,
+            return_exceptions=True,
         )
         now = time.time()
-        kafka_result, slot_result, connect_result, *region_results = results
+        kafka_result, slot_result, connect_result, snapshot_result, *region_results = results
         kafka = self._kafka_report(kafka_result, now)
         regions = tuple(
             self._region_report(target, result, kafka, now)
@@ -214,6 +231,10 @@ class Monitor:
         )
         slots, cdc_error = self._slot_reports(slot_result)
         connectors, connect_error = self._connector_reports(connect_result)
+        snapshot_error = _unavailable(snapshot_result)
+        snapshots = cast(
+            "tuple[SnapshotReport, ...]", () if snapshot_error is not None else snapshot_result
+        )
         problems = self._problems(kafka, regions, slots, connectors, cdc_error, connect_error)
         severities: list[Severity] = [g.severity for g in kafka.groups]
         severities += [r.severity for r in regions]
@@ -233,6 +254,8 @@ class Monitor:
             problems=problems,
             cdc_error=cdc_error,
             connect_error=connect_error,
+            snapshots=snapshots,
+            snapshot_error=snapshot_error,
         )
 
     # -- Kafka --------------------------------------------------------------------------

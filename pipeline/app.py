@@ -25,6 +25,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client import CollectorRegistry
 
 from edge_cache import AsyncFeatureWriter, Delete, RegionSettings, Upsert
+from edge_cache.registry import marker_value
 from pipeline.config import PipelineConfig
 from pipeline.envelope import Change, decode_change
 from pipeline.exceptions import PoisonEventError, SinkUnavailableError
@@ -225,6 +226,8 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
             if change is None:
                 tombstones.inc()
                 continue
+            if change.snapshot == "incremental":
+                measured.snapshot_rows.labels(change.table).inc()
             decoded.append((event, change))
         # In commit order across the batch's topics (each topic is in order already):
         # a user's move and the events after it route in the order they were made,
@@ -326,7 +329,8 @@ class _FaustCache:
             self._writer = AsyncFeatureWriter.from_region(self.region, self.engine.schemas)
             await self._writer.publish_schemas()
             marker = self._writer.core.layout.writer_marker_key(self._worker_id)
-            await self._writer.client.set(marker, b"1", ex=_MARKER_TTL_S)
+            versions = marker_value(self.engine.schemas)  # what `features apply` waits for
+            await self._writer.client.set(marker, versions, ex=_MARKER_TTL_S)
             self._marked = True  # from now on, a missing marker means lost data
         return self._writer
 
@@ -361,7 +365,7 @@ class _FaustCache:
             marker = cache.core.layout.writer_marker_key(self._worker_id)
             if await cache.client.expire(marker, _MARKER_TTL_S):
                 return True
-            await cache.client.set(marker, b"1", ex=_MARKER_TTL_S)
+            await cache.client.set(marker, marker_value(self.engine.schemas), ex=_MARKER_TTL_S)
             if not self._marked:  # this worker's first check: nothing written was lost
                 self._marked = True
                 return True

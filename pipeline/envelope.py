@@ -53,6 +53,10 @@ class Change:
         lsn: The change's position in PostgreSQL's WAL.
         seq: Order among changes that share an LSN (snapshot rows).
         commit_ms: The source commit time, milliseconds since the epoch.
+        snapshot: Debezium's ``source.snapshot`` for snapshot reads: ``"incremental"``
+            for a row of an ad-hoc incremental snapshot (``edgefeed connectors
+            snapshot``), ``"true"``/``"first"``/``"last"`` for the initial
+            snapshot; None for streamed changes.
     """
 
     table: str
@@ -62,6 +66,7 @@ class Change:
     lsn: int
     seq: int
     commit_ms: int
+    snapshot: str | None = None
 
     @property
     def row(self) -> dict[str, Any] | None:
@@ -117,4 +122,12 @@ def decode_change(value: bytes, *, offset: int = 0) -> Change | None:
         lsn=source.lsn or 0,
         seq=(offset & _U32) if snapshot else 0,
         commit_ms=source.ts_ms,
+        snapshot=_snapshot_kind(source.snapshot),
     )
+
+
+def _snapshot_kind(value: str | bool | None) -> str | None:
+    """``source.snapshot`` as one string, None when the change was streamed."""
+    if value is None or value is False or value == "false":
+        return None
+    return "true" if value is True else str(value)

@@ -34,6 +34,7 @@ class PipelineMetrics:
     cache_retries: Counter
     cache_refills: Counter
     quarantined: Gauge
+    snapshot_rows: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PipelineMetrics:
@@ -111,6 +112,12 @@ class PipelineMetrics:
                 "edgefeed_pipeline_quarantined_entities",
                 "Entities whose vectors the cache refuses (writes skipped; see the worker log)",
                 ["region"],
+                registry=registry,
+            ),
+            snapshot_rows=Counter(
+                "edgefeed_pipeline_snapshot_rows_total",
+                "Rows of incremental snapshots (edgefeed connectors snapshot) the router read",
+                ["table"],
                 registry=registry,
             ),
         )

@@ -42,6 +42,7 @@ from pipeline.names import PipelineNames
 __all__ = [
     "AggregateFeature",
     "EntitySettings",
+    "FeatureReader",
     "KafkaSecuritySettings",
     "KafkaSettings",
     "LatestFeature",
@@ -261,6 +262,27 @@ class EntitySettings(BaseModel):
         for aggregate in self.aggregates:
             names.extend(aggregate.feature_names)
         return names
+
+
+class FeatureReader(BaseModel):
+    """A deployed model version and the features it reads (``models:`` in the settings).
+
+    ``edgefeed features plan`` refuses to drop a feature a deployed model still
+    reads. A ranker checkpoint's feature lists (``RankerConfig.user_features``,
+    ``item_features``) are what its entry declares; ``edgefeed features plan
+    --model PATH`` reads them from the checkpoint instead.
+
+    Attributes:
+        name: The model (``shop-ranker``).
+        version: Its deployed version.
+        reads: Entity -> the feature names it reads.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    version: str = "1"
+    reads: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class PipelineSettings(BaseModel):

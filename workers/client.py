@@ -45,12 +45,16 @@ class InferenceAnswer:
         batch_rows: Rows in the batch the request rode in.
         phases_ms: T_service by phase, in ms, when asked for (request header
             ``X-Edgefeed-Timing-Detail: 1``); else empty.
+        round_trip_s: The client's own clock from sending the request to the
+            last byte of the answer (what the four terms of ``latency`` add up to
+            unless the worker reported more time than that).
     """
 
     body: dict[str, Any]
     latency: LatencyBreakdown
     batch_rows: int
     phases_ms: Mapping[str, float] = field(default_factory=dict)
+    round_trip_s: float = 0.0
 
 
 class WorkerClient:
@@ -148,6 +152,7 @@ class WorkerClient:
             LatencyBreakdown.from_round_trip(round_trip, server),
             server.batch_rows,
             {name: seconds * 1e3 for name, seconds in server.phases},
+            round_trip,
         )
 
     async def classify(

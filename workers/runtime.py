@@ -35,6 +35,7 @@ __all__ = [
     "ModelRunner",
     "Precision",
     "RuntimeConfig",
+    "quantize_int8",
     "resolve_device",
     "resolve_precision",
 ]
@@ -120,7 +121,10 @@ def default_buckets(max_rows: int, extra: Sequence[int] = ()) -> tuple[int, ...]
     return tuple(sorted(s for s in sizes if 1 <= s <= max_rows))
 
 
-def _quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
+def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
+    """An int8 copy of ``module``: dynamic quantization of its ``Linear`` layers
+    (weights int8, activations quantized per batch), as ``precision="int8"`` serves it.
+    ``module`` itself is left as it is."""
     # torch.ao.quantization warns (DeprecationWarning, and a UserWarning for the
     # quantized tensor constructors) that it will move to torchao; it still ships
     # in torch 2.x with fbgemm int8 GEMM kernels, which is what a CPU worker wants.
@@ -191,7 +195,7 @@ class ModelRunner:
         with contextlib.suppress(NotImplementedError):  # torch.export modules have no eval()
             module.eval()
         if self.precision == "int8":
-            module = _quantize_int8(module)
+            module = quantize_int8(module)
         else:
             module = module.to(device=self.device, dtype=_FLOAT_DTYPES[self.precision])
         use_compile = self.config.compile == "on" or (

@@ -66,6 +66,10 @@ COMMANDS: dict[str, LazyCommand] = {
     "pipeline": LazyCommand(
         "edgefeed.cli.pipeline", "The Faust pipeline: router and regional feature workers."
     ),
+    "features": LazyCommand(
+        "edgefeed.cli.features",
+        "Feature-set changes per region: plan, then apply with backfill.",
+    ),
     "cache": LazyCommand(
         "edgefeed.cli.cache",
         "The per-region edge caches: read feature vectors like a serving process.",
@@ -73,6 +77,10 @@ COMMANDS: dict[str, LazyCommand] = {
     "workers": LazyCommand(
         "edgefeed.cli.workers",
         "Model workers: dynamic batching on GPU or CPU, per-request latency budget.",
+    ),
+    "lab": LazyCommand(
+        "edgefeed.cli.lab",
+        "The latency lab: central vs edge topologies on emulated WAN links, every term measured.",
     ),
 }
 

@@ -147,6 +147,36 @@ def status_cmd(ctx: typer.Context, name: NameArg = None, as_json: JsonFlag = Fal
         raise typer.Exit(EXIT_PENDING)
 
 
+@connectors_app.command("snapshot")
+def snapshot_cmd(
+    ctx: typer.Context,
+    table: Annotated[str, typer.Option("--table", help="The captured table, schema.table.")],
+    filter_sql: Annotated[
+        str | None,
+        typer.Option("--filter", help="SQL condition on the table's columns (default: all rows)."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Re-read a table's rows while streaming goes on (Debezium incremental snapshot)."""
+    from connectors.snapshot import request_snapshot
+
+    settings = settings_of(ctx)
+    with _client(settings) as client:
+        request = run_reported(
+            lambda: request_snapshot(client, settings.database, settings.sources, table, filter_sql)
+        )
+    if as_json:
+        typer.echo(json.dumps(request.as_dict(), indent=2))
+        return
+    console.print(
+        f"snapshot {request.id} signalled to {request.connector}: {request.table}"
+        + (f" where {request.filter}" if request.filter else " (every row)"),
+        highlight=False,
+        markup=False,
+    )
+    console.print("progress: `edgefeed lag` (snapshots)", highlight=False, markup=False)
+
+
 def _each(ctx: typer.Context, name: str | None, verb: str) -> None:
     settings = settings_of(ctx)
     with _client(settings) as client:

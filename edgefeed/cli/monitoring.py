@@ -82,6 +82,7 @@ def build_config(
     sample_size: int = 20,
 ) -> MonitorConfig:
     """The monitor's view of the settings file."""
+    from connectors.config import notification_topic
     from monitoring import MonitorConfig, RegionTarget, SourceTarget
 
     if not groups and settings.sites.regions:
@@ -98,7 +99,8 @@ def build_config(
             RegionTarget(r.name, r.redis_url, r.redis_options("reader")) for r in settings.regions
         ),
         sources=tuple(
-            SourceTarget(s.name, s.connector_name, s.effective_slot_name) for s in settings.sources
+            SourceTarget(s.name, s.connector_name, s.effective_slot_name, notification_topic(s))
+            for s in settings.sources
         ),
         database_dsn=settings.database.dsn(),
         kafka_options=settings.kafka.security.aiokafka_options(),
@@ -209,6 +211,17 @@ def render(report: Report) -> Group:
         cdc.add_row("connector", c.name, _styled(c.state), c.failure or "")
         for t in c.tasks:
             cdc.add_row("  task", f"{c.name}/{t.id}", _styled(t.state), t.cause or t.worker_id)
+    for snap in report.snapshots:
+        done = [t for t in snap.tables if t.rows is not None]
+        detail = f"{snap.rows} rows read, {len(done)}/{len(snap.tables)} tables"
+        if snap.current_table:
+            detail += f"; reading {snap.current_table} at key {snap.last_key} of {snap.max_key}"
+        cdc.add_row("snapshot", snap.connector, _styled(snap.state), detail)
+        for scanned in snap.tables:
+            rows = "" if scanned.rows is None else f"{scanned.rows} rows"
+            cdc.add_row("  table", scanned.table, _styled(scanned.status), rows)
+    if report.snapshot_error:
+        cdc.add_row("snapshot", "-", _styled("ERR"), report.snapshot_error)
     parts: list[Table | Text] = [groups, regions, cdc]
     if report.kafka.deadletters is not None:
         parts.append(

@@ -18,6 +18,7 @@ finds it closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -99,6 +100,13 @@ class Link:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # asyncio's start_server (Python 3.11) asks a finished connection task for its
+        # exception, which raises for a cancelled one and logs a traceback per open
+        # connection at close(): a connection cut short by close() ends normally.
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._carry(client_r, client_w)
+
     def cut(self) -> None:
         if self._healed.is_set():
             self.cut_since = time.time()
@@ -150,7 +158,7 @@ class Link:
             "connections_total": self.connections_total,
         }
 
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+    async def _carry(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)

@@ -39,7 +39,14 @@ def test_production_safe_defaults() -> None:
     assert config["plugin.name"] == "pgoutput"
     assert config["publication.autocreate.mode"] == "filtered"
     assert config["slot.name"] == "edgefeed_shop"
-    assert config["table.include.list"] == f"public.users,public.items,{HEARTBEAT_TABLE}"
+    assert config["table.include.list"] == (
+        f"public.users,public.items,{HEARTBEAT_TABLE},public.edgefeed_signal_shop"
+    )
+    # Incremental snapshots: signals from the source's own table, progress to a topic.
+    assert config["signal.data.collection"] == "public.edgefeed_signal_shop"
+    assert config["signal.enabled.channels"] == "source"
+    assert config["notification.enabled.channels"] == "sink"
+    assert config["notification.sink.topic.name"] == "edgefeed.shop.notifications"
     assert config["message.key.columns"] == "public.users:user_id;public.items:item_id"
     assert config["column.exclude.list"] == "public.users.email"
     assert config["snapshot.include.collection.list"] == "public.users"

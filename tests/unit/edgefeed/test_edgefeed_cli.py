@@ -48,3 +48,30 @@ def test_remote_address_is_refused_by_the_local_stack(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "kafka.prod.example:9092" in result.output
     assert "loopback" in result.output
+
+
+def _lab_settings(tmp_path: Path) -> Path:
+    settings = tmp_path / "edgefeed.yaml"
+    settings.write_text(
+        "kafka: {bootstrap_servers: '127.0.0.1:1'}\n"
+        "regions: [{name: eu-west, redis_url: 'redis://127.0.0.1:2/0', residency_zone: eu}]\n"
+    )
+    return settings
+
+
+def test_lab_refuses_bad_options_before_starting_anything(tmp_path: Path) -> None:
+    settings = _lab_settings(tmp_path)
+    state = tmp_path / "s"
+    result = runner.invoke(
+        app,
+        ["--settings", str(settings), "lab", "run", "--requests", "0", "--state-dir", str(state)],
+    )
+    assert result.exit_code == 2
+    assert "requests=0 must be at least 1" in result.output
+    result = runner.invoke(
+        app,
+        ["--settings", str(settings), "lab", "run", "--region", "mars", "--state-dir", str(state)],
+    )
+    assert result.exit_code == 2
+    assert "'mars' not in regions: eu-west" in result.output
+    assert not state.exists(), "no service was started"

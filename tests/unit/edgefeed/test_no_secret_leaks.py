@@ -70,12 +70,16 @@ COMMANDS = {
     "connectors pause",
     "connectors resume",
     "connectors delete",
+    "connectors snapshot",
+    "features plan",
+    "features apply",
     "pipeline run",
     "pipeline verify",
     "cache get",
     "workers serve",
     "workers bench",
     "workers seed-demo",
+    "lab run",
 }
 
 
@@ -370,6 +374,13 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("connectors", "pause"), in_process=True),
         Case(inline, ("connectors", "resume"), in_process=True),
         Case(inline, ("connectors", "delete", "--yes"), in_process=True),
+        Case(
+            inline,
+            ("connectors", "snapshot", "--table", "public.users", "--filter", "segment = 1"),
+            in_process=True,
+        ),
+        Case(inline, ("features", "plan")),
+        Case(env_file, ("features", "apply", "--json", "--wait", "0"), in_process=True),
         Case(inline, ("demo", "load", "--duration", "1")),
         Case(env_file, ("demo", "load", "--duration", "1"), in_process=True),
         Case(remote, ("demo", "run", *state)),
@@ -393,6 +404,11 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("pipeline", "run", "--role", "forwarder", "--region", "eu-west")),
         Case(inline, ("pipeline", "verify", "--json")),
         Case(inline, ("preprocess", str(tmp_path / "missing.jpg"), "--out", str(tmp_path))),
+        Case(
+            inline,
+            ("lab", "run", "--no-start-stack", "--report", str(tmp_path / "lab.html"), *state),
+        ),
+        Case(remote, ("lab", "run", "--report", str(tmp_path / "lab.html"), *state)),
     ]
     assert {_command_of(c.args) for c in cases} == COMMANDS
     env = _env(tmp_path)
@@ -410,7 +426,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     )
 
 
-_GROUPS = {"dev", "demo", "connectors", "pipeline", "cache", "workers"}
+_GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers", "lab"}
 _SUBGROUPS = {("dev", "wan")}
 
 
@@ -452,10 +468,13 @@ SETTINGS_COMMANDS = [
     ("connectors", "status", "--json"),
     ("connectors", "restart"),
     ("connectors", "delete", "--yes"),
+    ("connectors", "snapshot", "--table", "users"),
+    ("features", "plan"),
     ("pipeline", "run", "--role", "router"),
     ("pipeline", "verify"),
     ("cache", "get", "user", "1", "--region", "eu"),
     ("workers", "seed-demo", "--region", "eu"),
+    ("lab", "run", "--region", "eu"),
 ]
 
 
