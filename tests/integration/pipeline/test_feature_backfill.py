@@ -31,7 +31,7 @@ from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 from edgefeed.verify import verify
 from monitoring.snapshots import read_snapshots
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
 REGION = "eu-west"
 BASE = "2026-06-01T12:00:00+00:00"

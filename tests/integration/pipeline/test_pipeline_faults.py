@@ -13,16 +13,14 @@ import time
 from typing import Any
 
 import pytest
-import redis
 from aiokafka import AIOKafkaProducer
 from e2e_harness import EDGEFEED, PipelineRun, pipeline_run  # noqa: F401 - the fixture
 from test_pipeline_end_to_end import add_event, caught_up, read_all, redis_of, sql, wait_for
 from test_pipeline_end_to_end import vector as read_vector
 
 from edge_cache.exceptions import RegionUnavailableError
-from edgefeed.settings import EdgefeedSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
 T0_MS = 1_780_315_200_000  # 2026-06-01T12:00:00Z
 
@@ -37,16 +35,6 @@ def debezium(run: PipelineRun, table: str, after: dict[str, Any], lsn: int, **so
         "ts_ms": T0_MS,
     }
     return json.dumps(body).encode()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def empty_region_caches(stack_settings: EdgefeedSettings) -> None:
-    """The regions' Redis servers are the session's, and other modules' pipelines left
-    their vectors there; this module's pipeline starts on empty caches, so that
-    ``verify`` compares only its own vectors."""
-    for region in stack_settings.regions:
-        with redis.Redis.from_url(region.redis_url) as client:
-            client.flushdb()
 
 
 def vector(run: PipelineRun, region: str, entity: str, entity_id: int) -> dict[str, Any] | None:

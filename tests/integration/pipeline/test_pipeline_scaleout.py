@@ -16,11 +16,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from e2e_harness import PipelineRun, pipeline_run  # noqa: F401 - the fixture
 from test_pipeline_end_to_end import add_event, read_all, sql, wait_for
-from test_pipeline_faults import empty_region_caches, verify  # noqa: F401 - autouse fixture
+from test_pipeline_faults import verify
 
 from pipeline.statestore import EPOCH_HEADER, ROW_SEP
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
 REGIONS = ("eu-west", "us-east", "ap-southeast")
 USERS = {region: [4000 + 100 * i + n for n in range(12)] for i, region in enumerate(REGIONS)}

@@ -25,7 +25,7 @@ from edgefeed.lookup import feature_client
 from edgefeed.settings import settings_from_mapping
 from edgefeed.verify import verify
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
 NEW = "ap-southeast"
 OLD = "eu-west"
