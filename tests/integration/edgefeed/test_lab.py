@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import psycopg
 import pytest
+import redis
 from psycopg_pool import AsyncConnectionPool
 
 from edge_cache import AsyncFeatureClient
@@ -26,10 +27,17 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def lab_stack(devstack: DevStack) -> Iterator[DevStack]:
-    """The session stack; the lab's schema is dropped afterwards."""
+    """The session stack; the lab's schema and its keys in the region's Redis (vectors,
+    schemas, freshness records, which other modules' monitors would report) are
+    removed afterwards."""
     yield devstack
     with psycopg.connect(devstack.settings.database.dsn(), autocommit=True) as conn:
         conn.execute("DROP SCHEMA IF EXISTS edgefeed_lab CASCADE")
+    region = devstack.settings.region(LabOptions().region)
+    with redis.Redis.from_url(region.redis_url) as client:
+        for entity in (LAB_STUDENT.user_entity, LAB_STUDENT.item_entity):
+            for key in client.scan_iter(match=f"*{entity}*"):
+                client.delete(key)
 
 
 async def test_a_short_lab_measures_every_term_of_every_topology(lab_stack: DevStack) -> None:

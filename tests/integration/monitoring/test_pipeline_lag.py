@@ -29,6 +29,7 @@ from edgefeed.cli.monitoring import build_config
 from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings, load_settings
 from monitoring import Monitor, Report
+from monitoring.model import EntityFreshness
 
 pytestmark = pytest.mark.integration
 
@@ -165,6 +166,12 @@ def pipeline(
         yield Pipeline(settings, settings_file, table, router, worker)
 
 
+def pref_of(report: Report) -> EntityFreshness | None:
+    """This module's entity in eu-west's report (the session's Redis may hold others')."""
+    region = report.region("eu-west")
+    return next((e for e in region.entities if e.entity == "pref"), None) if region else None
+
+
 async def test_freshness_per_region_reflects_a_postgres_write(pipeline: Pipeline) -> None:
     monitor = pipeline.monitor()
     logs = pipeline.settings_file.parent
@@ -181,7 +188,7 @@ async def test_freshness_per_region_reflects_a_postgres_write(pipeline: Pipeline
     report = await until(
         monitor,
         lambda r: (
-            (e := next(iter(r.region("eu-west").entities), None)) is not None
+            (e := pref_of(r)) is not None
             and e.freshness_seconds is not None
             and e.freshness_seconds <= r.at - before + 0.05
         ),
@@ -217,7 +224,7 @@ async def test_paused_regional_worker_stalls_then_clears_after_resume(
             (g := r.group(group)) is not None
             and bool(g.partitions)
             and g.lag == 0
-            and (e := next(iter(r.region("eu-west").entities), None)) is not None
+            and (e := pref_of(r)) is not None
             and e.freshness_seconds is not None
             and e.freshness_seconds <= r.at - before + 0.05
         ),
