@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from stackhelpers import drop_slot, unique_name
 
 from connectors import deploy
 from connectors.client import ConnectClient
+from connectors.config import signal_table
 from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 
@@ -123,33 +124,38 @@ def shop_settings(stack_mapping: dict[str, Any], schema: str, tag: str) -> dict[
     return mapping
 
 
-@pytest.fixture(scope="module")
-def pipeline_run(
-    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def shop_pipeline(
+    mapping: dict[str, Any],
+    schema: str,
+    folder: Path,
+    workers: list[str],
+    *,
+    seed: Callable[[psycopg.Connection[Any]], None] | None = None,
+    wait_s: float = 240,
 ) -> Iterator[PipelineRun]:
-    tag = unique_name("e2e").lower()
-    schema = f"s_{tag}"
-    mapping = shop_settings(stack_mapping, schema, tag)
+    """The shop's tables in ``schema``, its connector, and ``workers`` running (the
+    router first); everything is stopped and dropped afterwards, even on failure.
+
+    Args:
+        seed: Writes rows before the connector exists (history it never streams).
+    """
     settings = settings_from_mapping(mapping)
-    folder = tmp_path_factory.mktemp("pipeline")
     settings_file = folder / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))
-    ddl = (
-        (ROOT / "edgefeed" / "data" / "shop_schema.sql")
-        .read_text()
-        .replace("public.", f"{schema}.")
-    )
+    ddl = (ROOT / "edgefeed" / "data" / "shop_schema.sql").read_text()
     source = settings.sources[0]
     with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
-        conn.execute(ddl)
+        conn.execute(ddl.replace("public.", f"{schema}."))
+        if seed is not None:
+            seed(conn)
     client = ConnectClient(settings.connect.url, timeout_s=30)
     run = PipelineRun(settings, settings_file, schema, folder)
     try:
-        deploy.apply(client, settings.database, settings.sources, wait_s=90)
-        run.start("router")
-        for region in settings.region_names:
-            run.start(region)
+        deploy.apply(client, settings.database, settings.sources, wait_s=wait_s)
+        for name in workers:
+            run.start(name)
         yield run
     finally:
         run.stop_all()
@@ -157,4 +163,18 @@ def pipeline_run(
         with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
             drop_slot(conn, source.effective_slot_name, source.effective_publication)
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+            conn.execute(f"DROP TABLE IF EXISTS {signal_table(source)}")
         client.close()
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(
+    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PipelineRun]:
+    tag = unique_name("e2e").lower()
+    schema = f"s_{tag}"
+    mapping = shop_settings(stack_mapping, schema, tag)
+    regions = settings_from_mapping(mapping).region_names
+    folder = tmp_path_factory.mktemp("pipeline")
+    with shop_pipeline(mapping, schema, folder, ["router", *regions], wait_s=90) as run:
+        yield run

@@ -17,12 +17,11 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from e2e_harness import ROOT, PipelineRun, shop_settings
-from stackhelpers import drop_slot, unique_name
+from e2e_harness import PipelineRun, shop_pipeline, shop_settings
+from stackhelpers import unique_name
 
-from connectors import deploy
 from connectors.client import ConnectClient
-from connectors.config import notification_topic, signal_table
+from connectors.config import notification_topic
 from edge_cache import FeatureClient
 from edgefeed.devstack import DevStack
 from edgefeed.features import FeaturesApplied, apply_features, plan_features
@@ -62,16 +61,8 @@ def run(
     tag = unique_name("bf").lower()
     schema = f"s_{tag}"
     mapping = shop_settings(stack_mapping, schema, tag)
-    settings = settings_from_mapping(mapping)
-    settings_file = tmp_path / "edgefeed.yaml"
-    settings_file.write_text(yaml.safe_dump(mapping))
-    ddl = (ROOT / "edgefeed" / "data" / "shop_schema.sql").read_text()
-    source = settings.sources[0]
-    client = ConnectClient(settings.connect.url, timeout_s=30)
-    pipeline = PipelineRun(settings, settings_file, schema, tmp_path)
-    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-        conn.execute(ddl.replace("public.", f"{schema}."))
+
+    def history(conn: psycopg.Connection[Any]) -> None:
         # History from before the pipeline existed (the connector takes no snapshot), of
         # item 100 only: its streamed view keeps older items from vectors of their own.
         conn.execute(
@@ -82,19 +73,9 @@ def run(
             "FROM generate_series(%s::int, %s::int) AS u, generate_series(1, %s::int) AS i",
             (REGION, BASE, USERS.start, USERS.stop - 1, OLD_EVENTS_PER_USER),
         )
-    try:
-        deploy.apply(client, settings.database, settings.sources, wait_s=240)
-        pipeline.start("router")
-        pipeline.start(REGION)
+
+    with shop_pipeline(mapping, schema, tmp_path, ["router", REGION], seed=history) as pipeline:
         yield pipeline, mapping
-    finally:
-        pipeline.stop_all()
-        client.delete(source.connector_name)
-        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-            drop_slot(conn, source.effective_slot_name, source.effective_publication)
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-            conn.execute(f"DROP TABLE IF EXISTS {signal_table(source)}")
-        client.close()
 
 
 def sql(settings: EdgefeedSettings, statement: str, params: Any = None) -> None:

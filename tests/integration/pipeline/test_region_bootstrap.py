@@ -13,12 +13,10 @@ import psycopg
 import pytest
 import redis
 import yaml
-from e2e_harness import ROOT, PipelineRun, shop_settings
-from stackhelpers import drop_slot, unique_name
+from e2e_harness import PipelineRun, shop_pipeline, shop_settings
+from stackhelpers import unique_name
 
-from connectors import deploy
 from connectors.client import ConnectClient
-from connectors.config import signal_table
 from connectors.snapshot import request_snapshot
 from edgefeed.devstack import DevStack
 from edgefeed.lookup import feature_client
@@ -64,30 +62,8 @@ def bootstrap_run(
     tag = unique_name("rb").lower()
     schema = f"s_{tag}"
     full = shop_settings(stack_mapping, schema, tag)
-    first = without_new_region(full)
-    settings = settings_from_mapping(first)
-    settings_file = tmp_path / "edgefeed.yaml"
-    settings_file.write_text(yaml.safe_dump(first))
-    ddl = (ROOT / "edgefeed" / "data" / "shop_schema.sql").read_text()
-    source = settings.sources[0]
-    client = ConnectClient(settings.connect.url, timeout_s=30)
-    pipeline = PipelineRun(settings, settings_file, schema, tmp_path)
-    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-        conn.execute(ddl.replace("public.", f"{schema}."))
-    try:
-        deploy.apply(client, settings.database, settings.sources, wait_s=240)
-        pipeline.start("router")
-        pipeline.start(OLD)
+    with shop_pipeline(without_new_region(full), schema, tmp_path, ["router", OLD]) as pipeline:
         yield pipeline, full
-    finally:
-        pipeline.stop_all()
-        client.delete(source.connector_name)
-        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-            drop_slot(conn, source.effective_slot_name, source.effective_publication)
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-            conn.execute(f"DROP TABLE IF EXISTS {signal_table(source)}")
-        client.close()
 
 
 @pytest.mark.timeout(1800)  # three process starts on a busy 2-core machine
