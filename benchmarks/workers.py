@@ -320,7 +320,10 @@ class _NoFeatures:
     """The precision comparison feeds the ranker directly; it never looks features up."""
 
     async def get(self, entity: str, ids: Any, features: Any = None) -> Any:
-        raise NotImplementedError
+        raise RuntimeError(
+            f"the precision comparison feeds the ranker's features directly; a lookup of "
+            f"{entity!r} means the benchmark built its requests wrong"
+        )
 
     async def aclose(self) -> None:
         return None
