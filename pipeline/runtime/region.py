@@ -271,7 +271,7 @@ class RegionRuntime:
         checkpoint once the interval has passed, and now and then check that the cache
         still holds what was written."""
         now = self.clock()
-        if self.batch.due(now) or self.ledger.due(now):
+        if self.batch.due(now) or self._checkpoint_due(now):
             await self.flush()
         if now >= self._next_intact_check:
             if self._flush_lock.locked():  # a write is retrying: ask again soon
@@ -285,8 +285,17 @@ class RegionRuntime:
         next checkpoint, or the next cache check, and at most :data:`IDLE_TICK_S`."""
         now = self.clock()
         times = [self._next_intact_check, now + IDLE_TICK_S]
-        times += [t for t in (self.batch.due_at(), self.ledger.due_at()) if t is not None]
+        checkpoint_at = None if self._checkpoint_pending() else self.ledger.due_at()
+        times += [t for t in (self.batch.due_at(), checkpoint_at) if t is not None]
         return max(0.0, min(times) - now)
+
+    def _checkpoint_pending(self) -> bool:
+        """A checkpoint task was started and has not ended (it may not have begun: the
+        ledger shows it running only once it has)."""
+        return self._checkpoint_task is not None and not self._checkpoint_task.done()
+
+    def _checkpoint_due(self, now: float) -> bool:
+        return self.ledger.due(now) and not self._checkpoint_pending()
 
     async def wait_for_duty(self) -> None:
         """Sleep until :meth:`tick` has something to do, or a message or a flush changed
@@ -353,8 +362,14 @@ class RegionRuntime:
                 self._batch_seconds.observe(elapsed)
                 self._wake.set()  # messages await a checkpoint: its due time changed
             await self._report_quarantine()
-            if self.ledger.due(self.clock()) and not self._checkpoint_lock.locked():
-                self._checkpoint_task = asyncio.ensure_future(self._checkpoint_or_fail())
+            if self._checkpoint_due(self.clock()) and not self._checkpoint_lock.locked():
+                # One task at a time: until the task begins, the ledger still shows the
+                # checkpoint due, and a duty loop that started one per tick never
+                # yielded to the event loop (it spun until the next cache check, up
+                # to INTACT_CHECK_S, stalling the stream).
+                task = asyncio.ensure_future(self._checkpoint_or_fail())
+                task.add_done_callback(lambda _task: self._wake.set())
+                self._checkpoint_task = task
 
     async def _write(self, ops: list[Upsert | Delete], keys: list[str]) -> None:
         """Write ``ops`` (of entities ``keys``): retried while the cache is unavailable;

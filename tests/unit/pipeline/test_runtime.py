@@ -551,3 +551,24 @@ async def test_a_cache_check_skipped_during_a_retrying_write_is_asked_again_soon
     cache.lost = True
     await runtime.tick()
     assert not cache.lost  # checked now that the lock is free
+
+
+async def test_a_checkpoint_started_by_a_duty_lets_the_event_loop_run() -> None:
+    """Until a started checkpoint task begins, the ledger still shows the checkpoint
+    due: the duty loop once started another one on every tick without ever awaiting,
+    and spun (the worker's event loop stalled) until the next cache check."""
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    clock.now += 0.02
+    await runtime.tick()  # the batch is written
+    assert cache.vectors["user:7"]["views_30m"] == 1
+    clock.now += 1.0
+    await runtime.tick()  # the checkpoint falls due: one task started
+    first = runtime._checkpoint_task
+    assert first is not None and not first.done()
+    # Not a duty any more: the duty loop sleeps (yields) instead of spinning.
+    assert runtime.seconds_to_duty() > 0
+    await runtime.tick()
+    assert runtime._checkpoint_task is first  # no second task
+    await asyncio.wait_for(runtime.wait_for_duty(), 2.0)  # woken when it ends
+    assert first.done() and acked(journal) == [1]
