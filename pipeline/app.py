@@ -32,7 +32,9 @@ from pipeline.exceptions import PoisonEventError, SinkUnavailableError
 from pipeline.faustcompat import (
     FetchWait,
     PartitionWriter,
+    StuckHeads,
     patch_fetch_wait,
+    patch_strict_commits,
     relieve_producer,
     use_state_codec,
     wait_delivered,
@@ -55,6 +57,7 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     """A Faust app with the pipeline's Kafka and timing settings."""
     kafka, pipeline = config.kafka, config.pipeline
     patch_fetch_wait(kafka.fetch_max_wait_ms)
+    patch_strict_commits()
     session_s = kafka.session_timeout_ms / 1000.0
     options: dict[str, Any] = {
         "broker": [f"kafka://{server}" for server in kafka.bootstrap_servers],
@@ -82,11 +85,13 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     tuner = GcTuner(full_every_s=pipeline.gc_full_interval_s)
     fetch_wait = FetchWait(app, kafka.fetch_max_wait_ms, kafka.idle_fetch_max_wait_ms)
     app.edgefeed_fetch_wait = fetch_wait  # type: ignore[attr-defined]  # the agents report traffic
+    stuck_heads = StuckHeads(app)
 
     @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
     async def housekeeping() -> None:
         tuner.tick()
         fetch_wait.tick()
+        await stuck_heads.tick()
 
     return app
 

@@ -7,6 +7,7 @@ internals.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -19,7 +20,9 @@ __all__ = [
     "STATE_CODEC",
     "FetchWait",
     "PartitionWriter",
+    "StuckHeads",
     "patch_fetch_wait",
+    "patch_strict_commits",
     "register_state_codec",
     "relieve_producer",
     "use_state_codec",
@@ -27,6 +30,8 @@ __all__ = [
 ]
 
 STATE_CODEC = "edgefeed-json"
+
+log = logging.getLogger("edgefeed.pipeline")
 
 
 class _OrjsonCodec(codecs.Codec):
@@ -221,3 +226,103 @@ class PartitionWriter(MutableMapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.table.data)
+
+
+def head_missing(consumer: Any, tp: Any) -> bool:
+    """True when ``tp`` has acknowledged messages but not the one at its committed
+    offset (the next to read), which no known gap in the log explains.
+
+    Faust's consumer keeps, per partition, the committed offset (``_committed_offset``,
+    None when unknown or 0), the acknowledged offsets not yet committed (``_acked``)
+    and the offset ranges the log does not have (``_gap``).
+    """
+    committed = consumer._committed_offset.get(tp)
+    acked = consumer._acked.get(tp)
+    if committed is None or not acked or min(acked) <= committed:
+        return False
+    gaps = consumer._gap.get(tp)
+    return not (gaps and gaps.overlaps(committed))
+
+
+def patch_strict_commits() -> None:
+    """Never commit past a message that was not acknowledged.
+
+    Faust 0.15.3 commits the first run of consecutive acknowledged offsets
+    (``Consumer._new_offset``) and checks that the run starts at the committed
+    offset loosely: ``min(acked) - committed > 1`` lets one unacknowledged message
+    at the head through (the committed offset is the next one to read, so the head
+    must equal it), and the check is skipped when the committed offset is 0. A
+    message that was never acknowledged, such as one whose delivery Faust abandons
+    when a rebalance suspends the flow
+    (``wait_first(callback(message), suspend_flow.wait())`` in
+    ``Consumer._drain_messages``), was then committed past and its change lost for
+    good: a restarted worker resumes after it. Patched, the commit waits at that
+    message (and :class:`StuckHeads` reads it again). Assumes logs without holes
+    Faust does not know of (no transactions, no compaction: the pipeline's own
+    topics). Patched once per process.
+    """
+    from faust.transport.consumer import Consumer
+
+    consumer_class: Any = Consumer
+    if getattr(consumer_class, "_edgefeed_strict_commits", False):
+        return
+    original = consumer_class._new_offset
+
+    def new_offset(self: Any, tp: Any) -> int | None:
+        if head_missing(self, tp):
+            return None
+        result: int | None = original(self, tp)
+        return result
+
+    consumer_class._new_offset = new_offset
+    consumer_class._edgefeed_original_new_offset = original
+    consumer_class._edgefeed_strict_commits = True
+
+
+class StuckHeads:
+    """Reads again a message the consumer skipped: when a partition's committed
+    offset has stayed unacknowledged for ``after_s`` while later messages were
+    acknowledged (:func:`head_missing`), seeks every partition back to its
+    committed offset (Faust's ``Consumer.perform_seek``, as after a rebalance).
+
+    The messages after it are delivered again; the pipeline's workers apply changes
+    idempotently (every state change carries its source position) and the router's
+    duplicates are ignored downstream for the same reason.
+
+    Args:
+        app: The Faust app whose consumer is watched.
+        after_s: How long a missing head is tolerated (acks lag deliveries by up to a
+            checkpoint interval and a commit interval).
+    """
+
+    def __init__(
+        self, app: faust.App, after_s: float = 15.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.app, self.after_s, self.clock = app, after_s, clock
+        self.since: dict[Any, float] = {}
+        self.reseeks = 0
+
+    async def tick(self) -> None:
+        """Called now and then (every second)."""
+        consumer = getattr(self.app, "_consumer", None)
+        if consumer is None or not hasattr(consumer, "_acked"):
+            return
+        now = self.clock()
+        stuck = {tp for tp in list(consumer._acked) if head_missing(consumer, tp)}
+        self.since = {tp: self.since.get(tp, now) for tp in stuck}
+        overdue = sorted(
+            (str(tp.topic), tp.partition, consumer._committed_offset.get(tp))
+            for tp, since in self.since.items()
+            if now - since >= self.after_s
+        )
+        if not overdue:
+            return
+        log.warning(
+            "the message at the committed offset of %s was never acknowledged while "
+            "later ones were (a delivery the consumer skipped); reading again from the "
+            "committed offsets",
+            ", ".join(f"{topic}[{partition}]@{offset}" for topic, partition, offset in overdue),
+        )
+        self.since.clear()
+        self.reseeks += 1
+        await consumer.perform_seek()
