@@ -57,7 +57,6 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     """A Faust app with the pipeline's Kafka and timing settings."""
     kafka, pipeline = config.kafka, config.pipeline
     patch_fetch_wait(kafka.fetch_max_wait_ms)
-    patch_strict_commits()
     session_s = kafka.session_timeout_ms / 1000.0
     options: dict[str, Any] = {
         "broker": [f"kafka://{server}" for server in kafka.bootstrap_servers],
@@ -406,6 +405,9 @@ def build_region_app(
     engine = FeatureEngine(config.entities)
     partitions = config.pipeline.partitions
     changes = _raw_topic(app, names.region_topic(region_name), partitions)
+    # The router writes it without transactions: no holes, so commits may wait for
+    # the exact next offset (faustcompat.patch_strict_commits).
+    patch_strict_commits([names.region_topic(region_name)])
     dead = _raw_topic(app, names.region_dead_letter_topic(region_name), 1)
     # The states as the changelog holds them: one record per entity and one per row
     # chunk (pipeline.statestore), so a checkpoint writes only what changed.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 import faust
@@ -18,6 +18,7 @@ from faust.serializers import codecs
 
 __all__ = [
     "STATE_CODEC",
+    "STRICT_TOPICS",
     "FetchWait",
     "PartitionWriter",
     "StuckHeads",
@@ -228,14 +229,22 @@ class PartitionWriter(MutableMapping[str, Any]):
         return len(self.table.data)
 
 
+# Topics whose offsets have no holes (written by edgefeed's own non-transactional
+# producers, never compacted): the only ones the strict commit rule applies to.
+STRICT_TOPICS: set[str] = set()
+
+
 def head_missing(consumer: Any, tp: Any) -> bool:
-    """True when ``tp`` has acknowledged messages but not the one at its committed
-    offset (the next to read), which no known gap in the log explains.
+    """True when ``tp`` (of a topic in :data:`STRICT_TOPICS`) has acknowledged messages
+    but not the one at its committed offset (the next to read), which no known gap in
+    the log explains.
 
     Faust's consumer keeps, per partition, the committed offset (``_committed_offset``,
     None when unknown or 0), the acknowledged offsets not yet committed (``_acked``)
     and the offset ranges the log does not have (``_gap``).
     """
+    if str(tp.topic) not in STRICT_TOPICS:
+        return False
     committed = consumer._committed_offset.get(tp)
     acked = consumer._acked.get(tp)
     if committed is None or not acked or min(acked) <= committed:
@@ -244,8 +253,8 @@ def head_missing(consumer: Any, tp: Any) -> bool:
     return not (gaps and gaps.overlaps(committed))
 
 
-def patch_strict_commits() -> None:
-    """Never commit past a message that was not acknowledged.
+def patch_strict_commits(topics: Iterable[str] = ()) -> None:
+    """Never commit past a message of ``topics`` that was not acknowledged.
 
     Faust 0.15.3 commits the first run of consecutive acknowledged offsets
     (``Consumer._new_offset``) and checks that the run starts at the committed
@@ -257,12 +266,18 @@ def patch_strict_commits() -> None:
     (``wait_first(callback(message), suspend_flow.wait())`` in
     ``Consumer._drain_messages``), was then committed past and its change lost for
     good: a restarted worker resumes after it. Patched, the commit waits at that
-    message (and :class:`StuckHeads` reads it again). Assumes logs without holes
-    Faust does not know of (no transactions, no compaction: the pipeline's own
-    topics). Patched once per process.
+    message (and :class:`StuckHeads` reads it again).
+
+    Only for ``topics`` whose offsets have no holes Faust does not know of: the
+    regional change topics, which edgefeed's router writes without transactions.
+    Not for Debezium's topics: a Connect worker with exactly-once source support
+    writes transaction markers, and a committed offset that points at one would
+    stall the commit for good. The class is patched once per process; each call
+    adds its topics.
     """
     from faust.transport.consumer import Consumer
 
+    STRICT_TOPICS.update(topics)
     consumer_class: Any = Consumer
     if getattr(consumer_class, "_edgefeed_strict_commits", False):
         return
@@ -285,9 +300,9 @@ class StuckHeads:
     acknowledged (:func:`head_missing`), seeks every partition back to its
     committed offset (Faust's ``Consumer.perform_seek``, as after a rebalance).
 
-    The messages after it are delivered again; the pipeline's workers apply changes
-    idempotently (every state change carries its source position) and the router's
-    duplicates are ignored downstream for the same reason.
+    Watches the topics of :data:`STRICT_TOPICS` only. The messages after the missing
+    one are delivered again; the regional workers apply changes idempotently (every
+    state change carries its source position).
 
     Args:
         app: The Faust app whose consumer is watched.
