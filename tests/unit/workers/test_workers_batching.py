@@ -85,9 +85,15 @@ async def test_requests_with_several_rows_batch_and_come_back_in_order(
 async def test_preferred_batch_size_goes_without_waiting_for_the_queue_delay(
     gated: GatedDouble, gated_model: TensorModel, eventually: Eventually
 ) -> None:
-    # A one-hour queue delay: only the preferred size can make the batch go.
+    # A one-hour queue delay: only the preferred size can make the batch go. Triton's
+    # rule (no adaptive cap): with the cap, a lone request waits only the estimated
+    # forward pass, and the two requests went alone whenever the second came later.
     config = BatchingConfig(
-        max_batch_size=8, preferred_batch_sizes=(2,), max_queue_delay_s=3600, inline_forward_s=0
+        max_batch_size=8,
+        preferred_batch_sizes=(2,),
+        max_queue_delay_s=3600,
+        adaptive_delay=False,
+        inline_forward_s=0,
     )
     async with (
         InferenceServer([gated_model], batching=config) as server,
