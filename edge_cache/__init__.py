@@ -18,7 +18,7 @@ from edge_cache.exceptions import (
     UnknownFeatureError,
 )
 from edge_cache.freshness import FreshnessSnapshot, read_freshness
-from edge_cache.layout import FreshnessRecord, KeyLayout, Position
+from edge_cache.layout import FreshnessRecord, KeyLayout, Position, Schedule
 from edge_cache.nearcache import NearCacheConfig
 from edge_cache.result import FeatureVectors
 from edge_cache.schema import Dtype, Feature, FeatureSchema
@@ -51,6 +51,7 @@ __all__ = [
     "RedisUserSettings",
     "RegionSettings",
     "RegionUnavailableError",
+    "Schedule",
     "SchemaError",
     "SchemaVersionError",
     "UnknownEntityError",

@@ -18,7 +18,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol, Self
 from urllib.parse import urlsplit, urlunsplit
 
@@ -413,6 +413,8 @@ class FeatureClient(_Base):
         ids: Sequence[str | int] | np.ndarray[Any, Any],
         features: Sequence[str] | None = None,
         max_staleness: float | timedelta | None = None,
+        *,
+        at: datetime | float | None = None,
     ) -> FeatureVectors:
         """Read the feature vectors of ``ids``: one round trip, whatever their number.
 
@@ -422,6 +424,9 @@ class FeatureClient(_Base):
             features: Feature names (default: all, in schema order).
             max_staleness: Withhold vectors whose source commit is older than this
                 (seconds or timedelta); such rows are flagged ``stale``.
+            at: The read time windows are read as of (aware datetime or seconds
+                since the epoch; default: now). Values hold what the worker last
+                scheduled: a time past the schedule's end reads its last vector.
 
         Raises:
             UnknownEntityError: ``entity`` has no schema here.
@@ -430,7 +435,7 @@ class FeatureClient(_Base):
             RegionUnavailableError: no region allowed to serve the call answered.
         """
         started = time.perf_counter()
-        plan = self.core.plan(entity, ids, features, max_staleness)
+        plan = self.core.plan(entity, ids, features, max_staleness, at)
         run = self.core.start(plan, self.breakers, self.near, started)
         deadlines = _Deadlines(self.timeout_s)
         step = run.send(None)
@@ -536,11 +541,12 @@ class AsyncFeatureClient(_Base):
         features: Sequence[str] | None = None,
         max_staleness: float | timedelta | None = None,
         *,
+        at: datetime | float | None = None,
         timeout_s: float | None = None,
     ) -> FeatureVectors:
         """See :meth:`FeatureClient.get`; ``timeout_s`` overrides the client's per call."""
         started = time.perf_counter()
-        plan = self.core.plan(entity, ids, features, max_staleness)
+        plan = self.core.plan(entity, ids, features, max_staleness, at)
         run = self.core.start(plan, self.breakers, self.near, started)
         deadlines = _Deadlines(self.timeout_s if timeout_s is None else timeout_s)
         step = run.send(None)

@@ -12,10 +12,11 @@ those steps, so the sync and async faces share one failover loop.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -61,6 +62,7 @@ class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a
     ids: tuple[Any, ...]
     keys: list[str]
     max_staleness_us: int | None
+    at_us: int | None  # the read time (None: now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,19 @@ def _seconds(value: float | timedelta | None, what: str) -> float | None:
             f"{what}={value!r} must be a non-negative number of seconds or a timedelta"
         )
     return seconds
+
+
+def _read_time_us(at: datetime | float) -> int:
+    """A read time (aware datetime, or seconds since the epoch) in microseconds."""
+    if isinstance(at, datetime):
+        if at.tzinfo is None:
+            raise InvalidValueError(
+                f"at={at!r} is a naive datetime; give a timezone (datetime.now(UTC))"
+            )
+        return round(at.timestamp() * 1_000_000)
+    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        raise InvalidValueError(f"at={at!r} must be an aware datetime or seconds since the epoch")
+    return round(at * 1_000_000)
 
 
 class LookupCore:
@@ -286,6 +301,7 @@ class LookupCore:
         ids: Sequence[str | int] | np.ndarray[Any, Any],
         features: Sequence[str] | None,
         max_staleness: float | timedelta | None,
+        at: datetime | float | None = None,
     ) -> Plan:
         """Validate a call and resolve everything it needs but I/O."""
         reader = self.reader(entity)
@@ -307,17 +323,24 @@ class LookupCore:
             id_tuple,
             self.layout.keys(entity, id_tuple),
             staleness_us,
+            None if at is None else _read_time_us(at),
         )
 
     def assemble(self, plan: Plan, region: str, decoded: Decoded, near_hits: int) -> FeatureVectors:
-        """The result of a call from the values ``region`` returned."""
+        """The result of a call from the values ``region`` returned: each vector as in
+        force at the read time (windows read as of then: see ``FeatureSchema.slots``)."""
+        now_us = time.time_ns() // 1000 if plan.at_us is None else plan.at_us
+        if plan.schema.slots:
+            records = plan.reader.in_force(decoded.records, now_us)
+            if records is not decoded.records:
+                decoded = replace(decoded, records=records)
         return build_vectors(
             entity=plan.schema.entity,
             ids=plan.ids,
             region=region,
             projection=plan.projection,
             decoded=decoded,
-            now_us=time.time_ns() // 1000 if plan.max_staleness_us is not None else 0,
+            now_us=now_us,
             max_staleness_us=plan.max_staleness_us,
             near_hits=near_hits,
             corrupt=tuple(sorted(decoded.corrupt)),

@@ -26,6 +26,23 @@ Values (little-endian unless noted, packed, fixed size per schema version)::
     40     ...  feature values in schema order, each in its dtype
     end-ceil(N/8) validity bitmap, bit i set when feature i has a value
 
+A schema with ``slots`` K > 0 (an entity type whose windows are read as of the
+read time) appends its schedule to every value, and its values carry flag bit 1
+(scheduled)::
+
+    8            until: microseconds; the schedule is known up to here
+                 (INT64_MAX: complete, nothing changes without a new event)
+    8*K          from: when each scheduled vector takes over (ascending;
+                 INT64_MAX for an unused slot)
+    K*body       the scheduled vectors, each laid out as the values and
+                 bitmap above
+
+The values after the header are the vector in force from the write on; a read at
+time t uses the last scheduled vector whose ``from`` is at or before t. A read
+at or after ``until`` gets the last one, which the writer renews by then
+(``edgefeed`` workers do: the same position written again with a later write
+time replaces a scheduled value).
+
 A tombstone is the 40-byte header alone with the tombstone flag: deleting an
 entity overwrites its vector with a position-stamped tombstone (with a TTL), so
 a late, older upsert cannot resurrect it.
@@ -40,6 +57,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -65,6 +83,7 @@ __all__ = [
     "Position",
     "RecordLayout",
     "RecordReader",
+    "Schedule",
     "encode_tombstone",
     "header_times",
     "to_micros",
@@ -73,6 +92,8 @@ __all__ = [
 MAGIC: Final = b"EF"
 FORMAT_VERSION: Final = 1
 FLAG_TOMBSTONE: Final = 1
+FLAG_SCHEDULED: Final = 2
+NEVER_US: Final = 2**63 - 1  # an unused slot's ``from``; a complete schedule's ``until``
 HEADER_SIZE: Final = 40
 POSITION_OFFSET: Final = 12  # the Lua script reads bytes 13..24 (1-based)
 
@@ -358,38 +379,71 @@ def _runs(schema: FeatureSchema) -> list[_Run]:
 
 
 @dataclass(frozen=True, slots=True)
+class Schedule:
+    """The vectors an entity's value takes on later, without a new event (its windows
+    at later read times).
+
+    Attributes:
+        patches: ``(from_us, values)``: from ``from_us`` on (microseconds since the
+            epoch, ascending) the vector is ``values`` (a whole vector).
+        until_us: The schedule is known up to this time (None: complete; nothing
+            changes after the last patch until a new event).
+    """
+
+    patches: tuple[tuple[int, Mapping[str, Any]], ...] = ()
+    until_us: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RecordLayout:
     """The fixed-size record of one schema version, as a NumPy structured dtype.
 
     Consecutive features of the same dtype form one sub-array field (``r0``,
-    ``r1``...), so an all-float32 schema decodes as one ``float32[N]`` block.
+    ``r1``...), so an all-float32 schema decodes as one ``float32[N]`` block. A
+    schema with slots adds ``until_us``, ``from_us`` and ``patch`` (the scheduled
+    vectors, each a record of the body fields).
     """
 
     schema: FeatureSchema
     dtype: np.dtype[Any] = field(init=False)
+    body: np.dtype[Any] = field(init=False)
     runs: tuple[_Run, ...] = field(init=False)
     itemsize: int = field(init=False)
     payload_size: int = field(init=False)
     valid_size: int = field(init=False)
+    body_size: int = field(init=False)
+    slots: int = field(init=False)
     _slot: tuple[tuple[str, int], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         runs = tuple(_runs(self.schema))
         n = len(self.schema.features)
         valid_size = (n + 7) // 8
-        fields = list(_HEADER_FIELDS)
-        fields += [(run.field, _NUMPY[run.dtype], (run.count,)) for run in runs]  # type: ignore[misc]
-        fields.append(("valid", "u1", (valid_size,)))  # type: ignore[arg-type]
+        body_fields: list[Any] = [(run.field, _NUMPY[run.dtype], (run.count,)) for run in runs]
+        body_fields.append(("valid", "u1", (valid_size,)))
+        body = np.dtype(body_fields)
+        fields: list[Any] = list(_HEADER_FIELDS) + body_fields
+        slots = self.schema.slots
+        if slots:
+            fields += [("until_us", "<i8"), ("from_us", "<i8", (slots,)), ("patch", body, (slots,))]
         dtype = np.dtype(fields)
         object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "body", body)
         object.__setattr__(self, "runs", runs)
         object.__setattr__(self, "itemsize", dtype.itemsize)
         object.__setattr__(self, "valid_size", valid_size)
-        object.__setattr__(self, "payload_size", dtype.itemsize - HEADER_SIZE - valid_size)
+        object.__setattr__(self, "body_size", body.itemsize)
+        object.__setattr__(self, "payload_size", body.itemsize - valid_size)
+        object.__setattr__(self, "slots", slots)
         slot = []
         for run in runs:
             slot += [(run.field, i) for i in range(run.count)]
         object.__setattr__(self, "_slot", tuple(slot))
+
+    @property
+    def flags(self) -> int:
+        """The header flags of this layout's values."""
+        return FLAG_SCHEDULED if self.slots else 0
 
     def encode(
         self,
@@ -397,17 +451,25 @@ class RecordLayout:
         position: Position,
         commit_us: int,
         write_us: int,
+        schedule: Schedule | None = None,
     ) -> bytes:
         """One entity's vector as bytes. Features absent from ``values``, None or NaN
         are missing.
 
+        Args:
+            schedule: The vectors it takes on later (a schema with slots; more
+                patches than slots shorten the schedule: ``until`` becomes the
+                first patch left out).
+
         Raises:
-            InvalidValueError: an unknown feature name or a value that does not fit its dtype.
+            InvalidValueError: an unknown feature name or a value that does not fit
+                its dtype, or a schedule for a schema without slots.
         """
         schema = self.schema
         record = np.zeros((), dtype=self.dtype)
         record["magic"] = MAGIC
         record["format"] = FORMAT_VERSION
+        record["flags"] = self.flags
         record["schema_version"] = schema.version
         record["n_features"] = len(schema.features)
         record["fingerprint"] = schema.fingerprint
@@ -415,6 +477,34 @@ class RecordLayout:
         record["seq"] = position.seq
         record["commit_us"] = commit_us
         record["write_us"] = write_us
+        self._fill(record, values)
+        if self.slots:
+            patches = schedule.patches if schedule is not None else ()
+            until = schedule.until_us if schedule is not None else None
+            if len(patches) > self.slots:
+                until = patches[self.slots][0]
+                patches = patches[: self.slots]
+            record["until_us"] = NEVER_US if until is None else until
+            froms = np.full(self.slots, NEVER_US, dtype=np.int64)
+            previous = -NEVER_US
+            for index, (from_us, patch) in enumerate(patches):
+                if from_us <= previous:
+                    raise InvalidValueError(
+                        f"scheduled vectors of {schema.entity!r} must take over at increasing "
+                        f"times; {from_us} follows {previous}"
+                    )
+                previous = from_us
+                froms[index] = from_us
+                self._fill(record["patch"][index], patch)
+            record["from_us"] = froms
+        elif schedule is not None and schedule.patches:
+            raise InvalidValueError(
+                f"schema {schema.entity!r} v{schema.version} has no slots for scheduled vectors"
+            )
+        return record.tobytes()
+
+    def _fill(self, record: np.ndarray[Any, Any], values: Mapping[str, Any]) -> None:
+        schema = self.schema
         valid = bytearray(self.valid_size)
         for name, value in values.items():
             index = schema.position(name)
@@ -432,7 +522,32 @@ class RecordLayout:
             record[run_field][offset] = checked
             valid[index >> 3] |= 1 << (index & 7)
         record["valid"] = np.frombuffer(bytes(valid), dtype=np.uint8)
-        return record.tobytes()
+
+    def in_force(self, records: np.ndarray[Any, Any], now_us: int) -> np.ndarray[Any, Any]:
+        """``records`` with each one's vector in force at ``now_us`` in its body fields
+        (the records themselves when nothing scheduled has taken over)."""
+        if not self.slots or not len(records):
+            return records
+        taken = (records["from_us"] <= now_us).sum(axis=1)
+        moved = np.flatnonzero(taken)
+        if not len(moved):
+            return records
+        out = records.copy()
+        chosen = records["patch"][moved, taken[moved] - 1]
+        for name in self.body.names or ():
+            out[name][moved] = chosen[name]
+        return out
+
+    def body_at(self, raw: bytes, now_us: int) -> bytes:
+        """The body (values and bitmap) of one value in force at ``now_us``."""
+        start = HEADER_SIZE
+        if self.slots:
+            trailer = HEADER_SIZE + self.body_size
+            froms = np.frombuffer(raw, dtype="<i8", count=self.slots, offset=trailer + 8)
+            taken = int((froms <= now_us).sum())
+            if taken:
+                start = trailer + 8 + 8 * self.slots + (taken - 1) * self.body_size
+        return raw[start : start + self.body_size]
 
 
 def _check(dtype: Dtype, name: str, value: Any) -> Any:
@@ -499,7 +614,12 @@ class RecordReader:
         self.record = RecordLayout(schema)
         self._empty = np.zeros(0, dtype=self.record.dtype)
         self._prefix = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, 0, schema.version, len(schema.features), schema.fingerprint
+            MAGIC,
+            FORMAT_VERSION,
+            self.record.flags,
+            schema.version,
+            len(schema.features),
+            schema.fingerprint,
         )
         n = len(schema.features)
         full = bytearray(b"\xff" * self.record.valid_size)
@@ -699,23 +819,56 @@ class RecordReader:
             records, np.asarray(rows, dtype=np.intp), tuple(deleted), corrupt=tuple(corrupt)
         )
 
+    def in_force(self, records: np.ndarray[Any, Any], now_us: int) -> np.ndarray[Any, Any]:
+        """Decoded records with the vector in force at ``now_us`` in their body fields
+        (:meth:`RecordLayout.in_force`)."""
+        return self.record.in_force(records, now_us)
+
     def _translate(self, raw: bytes, writer: RecordLayout) -> bytes:
         """Rewrite a value of a compatible version into the reader's layout."""
         mine = self.record
         me = self.schema
         header = (
-            _HEADER.pack(MAGIC, FORMAT_VERSION, 0, me.version, len(me.features), me.fingerprint)
+            _HEADER.pack(
+                MAGIC, FORMAT_VERSION, mine.flags, me.version, len(me.features), me.fingerprint
+            )
             + raw[POSITION_OFFSET:HEADER_SIZE]
         )
-        their_valid = raw[len(raw) - writer.valid_size :]
+        if not mine.slots:  # no room for a schedule: the vector in force now
+            return header + self._body(writer.body_at(raw, time.time_ns() // 1000), writer)
+        base = self._body(raw[HEADER_SIZE : HEADER_SIZE + writer.body_size], writer)
+        until = NEVER_US
+        froms = [NEVER_US] * mine.slots
+        patches = [bytes(mine.body_size)] * mine.slots
+        if writer.slots:
+            trailer = HEADER_SIZE + writer.body_size
+            (until,) = struct.unpack_from("<q", raw, trailer)
+            theirs = struct.unpack_from(f"<{writer.slots}q", raw, trailer + 8)
+            first = trailer + 8 + 8 * writer.slots
+            for index, from_us in enumerate(theirs):
+                if from_us == NEVER_US:
+                    break
+                if index == mine.slots:  # fewer slots here: the schedule ends earlier
+                    until = from_us
+                    break
+                froms[index] = from_us
+                start = first + index * writer.body_size
+                patches[index] = self._body(raw[start : start + writer.body_size], writer)
+        return header + base + struct.pack(f"<q{mine.slots}q", until, *froms) + b"".join(patches)
+
+    def _body(self, body: bytes, writer: RecordLayout) -> bytes:
+        """One body (values and bitmap) of ``writer``'s layout in the reader's."""
+        mine = self.record
+        me = self.schema
+        their_valid = body[writer.payload_size : writer.body_size]
         if mine.payload_size <= writer.payload_size:  # writer is newer: keep the prefix
-            payload = raw[HEADER_SIZE : HEADER_SIZE + mine.payload_size]
+            payload = body[: mine.payload_size]
             valid = bytearray(their_valid[: mine.valid_size])
             spare = mine.valid_size * 8 - len(me.features)
             if spare and valid:
                 valid[-1] &= 0xFF >> spare
         else:  # writer is older: the features it did not have are missing
-            payload = raw[HEADER_SIZE : HEADER_SIZE + writer.payload_size]
+            payload = body[: writer.payload_size]
             payload += bytes(mine.payload_size - writer.payload_size)
             valid = bytearray(their_valid) + bytearray(mine.valid_size - writer.valid_size)
-        return header + payload + bytes(valid)
+        return payload + bytes(valid)

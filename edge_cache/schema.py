@@ -28,6 +28,7 @@ DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 MAX_FEATURES = 4096
 MAX_VERSION = 65535
+MAX_SLOTS = 64  # scheduled vectors per value (see FeatureSchema.slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +67,21 @@ class FeatureSchema:
         personal: True when the entity is a person whose data is bound to the
             residency zone of its home region: the lookup client then never
             reads it from a region of another zone, even on failover.
-        fingerprint: 32-bit hash of entity, version and features; stored with
-            every value so a reader can tell two different schemas that claim
-            the same version apart.
+        slots: Scheduled vectors each value carries besides the one in force
+            (0: none). An entity type with windows read as of the read time stores
+            the vector in force when it was written and the next ``slots`` ones,
+            each with the time it takes over; the reader picks the one in force at
+            its read time (see :mod:`edge_cache.layout`).
+        fingerprint: 32-bit hash of entity, version, features and slots; stored
+            with every value so a reader can tell two different schemas that
+            claim the same version apart.
     """
 
     entity: str
     features: tuple[Feature, ...]
     version: int = 1
     personal: bool = False
+    slots: int = 0
     fingerprint: int = field(init=False, repr=False, compare=False)
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
@@ -101,6 +108,14 @@ class FeatureSchema:
                 f"schema version {self.version!r} of {self.entity!r} must be an int in "
                 f"1..{MAX_VERSION}"
             )
+        if (
+            isinstance(self.slots, bool)
+            or not isinstance(self.slots, int)
+            or not (0 <= self.slots <= MAX_SLOTS)
+        ):
+            raise SchemaError(
+                f"slots={self.slots!r} of {self.entity!r} must be an int in 0..{MAX_SLOTS}"
+            )
         index: dict[str, int] = {}
         for position, feature in enumerate(features):
             if not isinstance(feature, Feature):
@@ -122,13 +137,14 @@ class FeatureSchema:
         *,
         version: int = 1,
         personal: bool = False,
+        slots: int = 0,
     ) -> FeatureSchema:
         """Build a schema from ``{name: dtype}`` or from names (all ``float32``)."""
         if isinstance(features, Mapping):
             items = tuple(Feature(name, dtype) for name, dtype in features.items())
         else:
             items = tuple(Feature(name) for name in features)
-        return cls(entity, items, version=version, personal=personal)
+        return cls(entity, items, version=version, personal=personal, slots=slots)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -150,7 +166,7 @@ class FeatureSchema:
         if self.version >= MAX_VERSION:
             raise SchemaError(f"schema {self.entity!r} is at the last version {MAX_VERSION}")
         return FeatureSchema(
-            self.entity, self.features + tuple(added), self.version + 1, self.personal
+            self.entity, self.features + tuple(added), self.version + 1, self.personal, self.slots
         )
 
     def is_prefix_of(self, other: FeatureSchema) -> bool:
@@ -162,22 +178,26 @@ class FeatureSchema:
         )
 
     def _canonical(self) -> str:
-        return json.dumps(
-            [self.entity, self.version, [[f.name, f.dtype] for f in self.features]],
-            separators=(",", ":"),
-        )
+        canonical: list[Any] = [
+            self.entity,
+            self.version,
+            [[f.name, f.dtype] for f in self.features],
+        ]
+        if self.slots:  # absent when 0: the fingerprints of unscheduled schemas never change
+            canonical.append(self.slots)
+        return json.dumps(canonical, separators=(",", ":"))
 
     def to_json(self) -> str:
         """The schema as JSON (what the writer publishes in the cache's schema registry)."""
-        return json.dumps(
-            {
-                "entity": self.entity,
-                "version": self.version,
-                "personal": self.personal,
-                "features": [[f.name, f.dtype] for f in self.features],
-            },
-            separators=(",", ":"),
-        )
+        document: dict[str, Any] = {
+            "entity": self.entity,
+            "version": self.version,
+            "personal": self.personal,
+            "features": [[f.name, f.dtype] for f in self.features],
+        }
+        if self.slots:
+            document["slots"] = self.slots
+        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> FeatureSchema:
@@ -194,6 +214,7 @@ class FeatureSchema:
                 features,
                 version=int(data["version"]),
                 personal=bool(data["personal"]),
+                slots=int(data.get("slots", 0)),
             )
         except SchemaError:
             raise

@@ -39,6 +39,7 @@ from edge_cache.layout import (
     KeyLayout,
     Position,
     RecordLayout,
+    Schedule,
     encode_tombstone,
     to_micros,
 )
@@ -70,6 +71,8 @@ class Upsert:
         position: Source position; the write is applied only if later than the stored one.
         commit_time: Source commit time (aware datetime or epoch seconds).
         ttl_s: Optional expiry of the vector, in seconds.
+        schedule: The vectors it takes on later without a new event (windows read
+            as of the read time); only for a schema with slots.
     """
 
     entity: str
@@ -78,6 +81,7 @@ class Upsert:
     position: Position
     commit_time: datetime | float
     ttl_s: float | None = None
+    schedule: Schedule | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +146,7 @@ class WriterCore:
             if op.ttl_s <= 0:
                 raise ConfigError(f"ttl_s={op.ttl_s!r} of {key!r} must be positive or None")
             ttl_ms = max(1, round(op.ttl_s * 1000))
-        return key, record.encode(op.values, op.position, commit_us, write_us), ttl_ms
+        return key, record.encode(op.values, op.position, commit_us, write_us, op.schedule), ttl_ms
 
     def encode_all(self, ops: Sequence[WriteOp]) -> list[tuple[str, bytes, int]]:
         return [self.encode(op) for op in ops]

@@ -3,6 +3,7 @@ source tables (pipeline.recompute), entity by entity and feature by feature."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,8 +67,11 @@ def _cached_ids(region: RegionSettings, entity: str) -> set[str]:
         client.close()
 
 
-def verify(settings: EdgefeedSettings, regions: Sequence[str] | None = None) -> VerifyReport:
-    """Compare each region's cache with the vectors recomputed from the source.
+def verify(
+    settings: EdgefeedSettings, regions: Sequence[str] | None = None, at: float | None = None
+) -> VerifyReport:
+    """Compare each region's cache with the vectors recomputed from the source, both
+    with windows read at ``at`` (seconds since the epoch; default: now).
 
     Raises:
         SourceValidationError: the source database cannot be reached.
@@ -77,7 +81,10 @@ def verify(settings: EdgefeedSettings, regions: Sequence[str] | None = None) -> 
     fed = sorted({table for entity in settings.entities for table in entity.tables})
     rows = read_rows(settings.database, [tables[name] for name in fed])
     names = list(regions or settings.region_names)
-    expected = expected_vectors(settings.entities, tables, settings.region_names, rows)
+    at = time.time() if at is None else at
+    expected = expected_vectors(
+        settings.entities, tables, settings.region_names, rows, int(at * 1000)
+    )
     schemas = feature_schemas(settings)
     report = VerifyReport()
     for name in names:
@@ -94,7 +101,7 @@ def verify(settings: EdgefeedSettings, regions: Sequence[str] | None = None) -> 
                 found[entity.name] = {}
                 for start in range(0, len(ids), 500):
                     chunk = ids[start : start + 500]
-                    vectors = client.get(entity.name, chunk)
+                    vectors = client.get(entity.name, chunk, at=at)
                     for entity_id, present, values in zip(
                         chunk, vectors.found, vectors.to_dicts(), strict=True
                     ):

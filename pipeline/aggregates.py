@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, top_values
+from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, WindowKey, top_values
 
 if TYPE_CHECKING:
     from pipeline.settings import AggregateFeature
@@ -30,7 +30,7 @@ class AggregateRead:
 
     index: TableIndex
     rows: Mapping[str, list[Any]]
-    window: tuple[int, str] | None
+    window: WindowKey | None
     where: tuple[tuple[str, Any], ...]
     column: str
     n: int

@@ -297,9 +297,11 @@ class _FaustCache:
             self._marked = True  # from now on, a missing marker means lost data
         return self._writer
 
-    async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
+    async def write(
+        self, ops: Sequence[Upsert | Delete], now_us: int, *, freshness: bool = True
+    ) -> Sequence[bool]:
         try:
-            return await self._write(ops, now_us)
+            return await self._write(ops, now_us, freshness)
         except _UNAVAILABLE as exc:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
 
@@ -336,10 +338,12 @@ class _FaustCache:
         except _UNAVAILABLE as exc:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
 
-    async def _write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
+    async def _write(
+        self, ops: Sequence[Upsert | Delete], now_us: int, freshness: bool
+    ) -> Sequence[bool]:
         cache = await self.writer()
         # The vectors and each entity type's freshness record, in one round trip.
-        return await cache.write(list(ops), freshness=True)
+        return await cache.write(list(ops), freshness=freshness)
 
 
 class _FaustChangelog:

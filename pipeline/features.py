@@ -15,21 +15,29 @@ Aggregates are incremental (pipeline.windows): each state carries, in memory
 only, an index of running accumulators per window, so a vector costs the same
 however many rows its windows hold.
 
-Windows end at the entity's newest event time in the aggregated table (the
-largest event time among its rows of that table), not at the wall clock: the
-vector is "as of the entity's latest event", and replays compute the same
-values.
+Windows are read as of the read time: a sliding window read at t covers the
+event times (t - size, t], a tumbling one the bucket holding t (up to t). A
+vector therefore changes as time passes, without a new event: an inactive
+user's ``views_30m`` decays to 0, ``purchases_today`` is 0 after midnight. The
+worker writes each vector with its schedule (:meth:`EntityEngine.write_op`):
+the vector in force at the write and the next :data:`SCHEDULE_SLOTS` vectors it
+takes on, each from the read time it takes over (a row entering or leaving a
+window); the lookup client picks the one in force at its read time, and the
+worker writes the vector again, with the next part of its schedule, when the
+schedule runs out (``until``). The values at every read time are a function of
+the rows alone, so replays compute the same ones.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from edge_cache import Delete, Feature, FeatureSchema, Position, Upsert
+from edge_cache import Delete, Feature, FeatureSchema, Position, Schedule, Upsert
 from pipeline.aggregates import AggregateRead
 from pipeline.exceptions import PoisonEventError
 from pipeline.messages import MAX_TIME_MS, RegionalChange
@@ -39,15 +47,26 @@ from pipeline.rows import SEQ as _SEQ
 from pipeline.rows import VALS as _VALS
 from pipeline.rows import T as _T
 from pipeline.settings import AggregateFeature, EntitySettings
-from pipeline.windows import GroupSpec, TableIndex, WindowSpec
+from pipeline.windows import GroupSpec, TableIndex, WindowKey, WindowSpec
 
-__all__ = ["CHUNK_MS", "EntityEngine", "EntityState", "FeatureEngine", "chunk_of", "event_time_ms"]
+__all__ = [
+    "CHUNK_MS",
+    "SCHEDULE_SLOTS",
+    "EntityEngine",
+    "EntityState",
+    "FeatureEngine",
+    "chunk_of",
+    "event_time_ms",
+]
 
 _U32 = 2**32 - 1
 _S = TypeVar("_S", bound=dict[str, Any])
 
 
 MAX_TEXT_CHARS = 8192  # a text value kept in a state (where filters, distinct values)
+# Vectors scheduled ahead in each value of an entity type with windows: more slots
+# mean fewer renewals of an inactive entity's value, and larger values.
+SCHEDULE_SLOTS = 4
 _F32_MAX = 3.4028234663852886e38
 _INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _NON_FINITE_TEXT = frozenset(
@@ -263,18 +282,23 @@ class EntityEngine:
         features: list[Feature] = [Feature(f.name, f.dtype) for f in entity.latest]
         for aggregate in entity.aggregates:
             features.extend(Feature(n, aggregate.effective_dtype) for n in aggregate.feature_names)
+        self.slots = SCHEDULE_SLOTS if any(a.window for a in entity.aggregates) else 0
         self.schema = FeatureSchema(
-            entity.name, tuple(features), version=entity.version, personal=entity.personal
+            entity.name,
+            tuple(features),
+            version=entity.version,
+            personal=entity.personal,
+            slots=self.slots,
         )
         self._by_table: dict[str, list[AggregateFeature]] = {}
         self._where: dict[str, tuple[tuple[str, Any], ...]] = {}
         # table -> its windows (by key), each with the groups (where filters) it needs.
-        self._windows: dict[str, dict[tuple[int, str] | None, WindowSpec]] = {}
+        self._windows: dict[str, dict[WindowKey | None, WindowSpec]] = {}
         for aggregate in entity.aggregates:
             self._by_table.setdefault(aggregate.table, []).append(aggregate)
             where = tuple(sorted(aggregate.where.items()))
             self._where[aggregate.name] = where
-            key = (aggregate.window.size_ms, aggregate.window.type) if aggregate.window else None
+            key = aggregate.window.key if aggregate.window else None
             by_key = self._windows.setdefault(aggregate.table, {})
             group = by_key.setdefault(key, WindowSpec(key)).groups.setdefault(
                 where, GroupSpec(where)
@@ -511,8 +535,41 @@ class EntityEngine:
 
     # -- the vector ---------------------------------------------------------------------------
 
-    def vector(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Feature name -> value (None: missing) for the entity's current state."""
+    def vector(self, state: Mapping[str, Any], at_ms: int | None = None) -> dict[str, Any]:
+        """Feature name -> value (None: missing) for the entity's state, with windows
+        read at ``at_ms`` (None: as of the entity's newest event in each table)."""
+        values = self._latest(state)
+        if self.settings.aggregates:
+            values.update(self._aggregates(state, at_ms))
+        return self._checked(values)
+
+    def schedule(
+        self, state: Mapping[str, Any], now_ms: int
+    ) -> tuple[dict[str, Any], Schedule | None]:
+        """The vector in force at ``now_ms`` and the ones it takes on later (at most
+        :data:`SCHEDULE_SLOTS`; ``until_us`` is where the schedule stops being known).
+        """
+        values = self._latest(state)
+        if not self.slots:
+            values.update(self._aggregates(state, None))
+            return self._checked(values), None
+        base = self._checked(values | self._aggregates(state, now_ms))
+        indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
+        times: set[int] = set()
+        for index in indexes.values():
+            times.update(index.changes_after(now_ms, self.slots + 1))
+        points = sorted(times)[: self.slots + 1]
+        patches: list[tuple[int, dict[str, Any]]] = []
+        previous = base
+        for at in points[: self.slots]:
+            vector = self._checked(values | self._aggregates(state, at))
+            if vector != previous:
+                patches.append((at * 1000, vector))
+                previous = vector
+        until = points[self.slots] * 1000 if len(points) > self.slots else None
+        return base, Schedule(tuple(patches), until)
+
+    def _latest(self, state: Mapping[str, Any]) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for latest in self.settings.latest:
             live = [e for e in state["rows"].get(latest.table, {}).values() if not e[_DEL]]
@@ -521,40 +578,59 @@ class EntityEngine:
                 values[latest.name] = newest[_VALS].get(latest.column)
             else:
                 values[latest.name] = None
-        if not self.settings.aggregates:
-            return values
+        return values
+
+    def _aggregates(self, state: Mapping[str, Any], at_ms: int | None) -> dict[str, Any]:
         indexed = state if isinstance(state, EntityState) else EntityState(state)
         indexes = self._index(indexed)
         all_rows = state["rows"]
-        for agg in self.settings.aggregates:
-            names = agg.feature_names
-            read = AggregateRead(
-                index=indexes[agg.table],
-                rows=all_rows.get(agg.table, {}),
-                window=(agg.window.size_ms, agg.window.type) if agg.window else None,
-                where=self._where[agg.name],
-                column=agg.column or "",
-                n=len(names),
-            )
-            try:
-                computed = agg.kind.read(read)
-            except OverflowError:  # an exact sum beyond any float
-                computed = [None] * len(names)
-            values.update(zip(names, computed, strict=True))
+        if at_ms is not None:
+            for table, index in indexes.items():
+                index.view(at_ms, all_rows.get(table, {}))
+        values: dict[str, Any] = {}
+        try:
+            for agg in self.settings.aggregates:
+                names = agg.feature_names
+                read = AggregateRead(
+                    index=indexes[agg.table],
+                    rows=all_rows.get(agg.table, {}),
+                    window=agg.window.key if agg.window else None,
+                    where=self._where[agg.name],
+                    column=agg.column or "",
+                    n=len(names),
+                )
+                try:
+                    computed = agg.kind.read(read)
+                except OverflowError:  # an exact sum beyond any float
+                    computed = [None] * len(names)
+                values.update(zip(names, computed, strict=True))
+        finally:
+            if at_ms is not None:
+                for table, index in indexes.items():
+                    index.restore(all_rows.get(table, {}))
+        return values
+
+    def _checked(self, values: dict[str, Any]) -> dict[str, Any]:
         for feature in self.schema.features:  # what its dtype cannot hold is missing
             if not _fits(feature.dtype, values.get(feature.name)):
                 values[feature.name] = None
         return values
 
-    def write_op(self, entity_id: Any, state: Mapping[str, Any]) -> Upsert | Delete:
-        """The cache write for the state: its vector, or a delete once the entity is gone."""
+    def write_op(
+        self, entity_id: Any, state: Mapping[str, Any], now_ms: int | None = None
+    ) -> Upsert | Delete:
+        """The cache write for the state: its vector and schedule as of ``now_ms``
+        (default: the wall clock), or a delete once the entity is gone."""
         position = Position(int(state["lsn"]), int(state["rev"]))
         commit_s = int(state["ts"]) / 1000.0
         if state.get("gone") is not None and not any(
             not e[_DEL] for rows in state["rows"].values() for e in rows.values()
         ):
             return Delete(self.schema.entity, entity_id, position, commit_s)
-        return Upsert(self.schema.entity, entity_id, self.vector(state), position, commit_s)
+        if now_ms is None:
+            now_ms = int(time.time() * 1000)
+        values, schedule = self.schedule(state, now_ms)
+        return Upsert(self.schema.entity, entity_id, values, position, commit_s, schedule=schedule)
 
 
 class FeatureEngine:

@@ -35,6 +35,8 @@ class PipelineMetrics:
     cache_refills: Counter
     quarantined: Gauge
     snapshot_rows: Counter
+    renewals: Counter
+    renewal_lag: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PipelineMetrics:
@@ -118,6 +120,21 @@ class PipelineMetrics:
                 "edgefeed_pipeline_snapshot_rows_total",
                 "Rows of incremental snapshots (edgefeed connectors snapshot) the router read",
                 ["table"],
+                registry=registry,
+            ),
+            renewals=Counter(
+                "edgefeed_pipeline_renewals_total",
+                "Vectors written again because their schedule ran out (windows read as of "
+                "the read time)",
+                ["region"],
+                registry=registry,
+            ),
+            renewal_lag=Histogram(
+                "edgefeed_pipeline_renewal_lag_seconds",
+                "From the end of a vector's schedule to its renewal in the cache: how long "
+                "a read could see the schedule's last vector past its time",
+                ["region"],
+                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
                 registry=registry,
             ),
         )

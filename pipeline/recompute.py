@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time as time_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time
@@ -60,13 +61,17 @@ def expected_vectors(
     tables: Mapping[str, TableSettings],
     regions: Sequence[str],
     rows: Mapping[str, Iterable[Mapping[str, Any]]],
+    at_ms: int | None = None,
 ) -> dict[str, RegionExpectation]:
-    """The vectors per region, from the current ``rows`` of each table.
+    """The vectors per region, from the current ``rows`` of each table, with windows
+    read at ``at_ms`` (default: now).
 
     Args:
         rows: ``schema.table`` -> its rows (column -> value, as the database returns
             them; converted with :func:`debezium_value`).
     """
+    if at_ms is None:
+        at_ms = int(time_module.time() * 1000)
     router = Router(entities, tables, regions)
     engines = {region: FeatureEngine(entities) for region in regions}
     states: dict[str, dict[str, EntityState]] = {region: {} for region in regions}
@@ -102,7 +107,7 @@ def expected_vectors(
                     )
         for key, state in states[region].items():
             entity_type = key.split(":", 1)[0]
-            op = engines[region].engine(entity_type).write_op(ids[region][key], state)
+            op = engines[region].engine(entity_type).write_op(ids[region][key], state, at_ms)
             values = getattr(op, "values", None)
             if values is None:
                 continue

@@ -26,6 +26,7 @@ import re
 import ssl
 from pathlib import Path
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
     BaseModel,
@@ -83,16 +84,23 @@ def _qualified(table: str) -> str:
 class WindowSettings(BaseModel):
     """A time window over an entity's change events.
 
+    Windows are read as of the read time t: ``sliding`` covers the event times
+    (t - size, t]; ``tumbling`` the bucket of length ``size`` that holds t, up to
+    t (a daily count is 0 after midnight).
+
     Attributes:
         size: Window length (``30m``, ``1h``; numbers are seconds).
-        type: ``sliding``: the last ``size`` before the entity's newest event;
-            ``tumbling``: the fixed bucket of length ``size`` that holds it.
+        type: ``sliding`` or ``tumbling``.
+        time_zone: Where a tumbling window's buckets start (an IANA name such as
+            ``Europe/London``; buckets of a day start at local midnight). UTC by
+            default; only for tumbling windows.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     size: str | int | float
     type: Literal["sliding", "tumbling"] = "sliding"
+    time_zone: str = "UTC"
 
     @field_validator("size")
     @classmethod
@@ -100,9 +108,35 @@ class WindowSettings(BaseModel):
         parse_duration_ms(value)
         return value
 
+    @field_validator("time_zone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"time_zone {value!r} is not an IANA time zone name (e.g. UTC, Europe/London, "
+                "America/New_York)"
+            ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _zone_for_tumbling(self) -> WindowSettings:
+        if self.time_zone != "UTC" and self.type != "tumbling":
+            raise ValueError(
+                f"time_zone {self.time_zone!r} applies to tumbling windows only (a sliding "
+                "window covers the same span in every zone); drop it or use type: tumbling"
+            )
+        return self
+
     @property
     def size_ms(self) -> int:
         return parse_duration_ms(self.size)
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        """``(size_ms, type, time_zone)``: windows with equal keys share accumulators."""
+        return (self.size_ms, self.type, self.time_zone)
 
 
 class LatestFeature(BaseModel):

@@ -19,10 +19,12 @@ restart.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from pipeline.rows import DEL as _DEL
 from pipeline.rows import LSN as _LSN
@@ -30,9 +32,19 @@ from pipeline.rows import SEQ as _SEQ
 from pipeline.rows import VALS as _VALS
 from pipeline.rows import T as _T
 
-__all__ = ["EXACT_SCALE", "GroupSpec", "TableIndex", "WindowSpec", "exact", "top_values"]
+__all__ = [
+    "EXACT_SCALE",
+    "GroupSpec",
+    "TableIndex",
+    "WindowKey",
+    "WindowSpec",
+    "exact",
+    "top_values",
+]
 
 _FOREVER = (-(1 << 62), 1 << 62)
+_MAX = 1 << 62  # sorts after any lsn/seq in an order key
+_EPOCH = datetime(1970, 1, 1)
 EXACT_SCALE = 1 << 1074  # every finite double is an integer multiple of 2**-1074
 
 
@@ -64,26 +76,76 @@ class GroupSpec:
         self.stamped: set[str] = set()  # top_k: the newest row of each value
 
 
+WindowKey = tuple[int, str, str]  # (size_ms, "sliding" | "tumbling", time zone)
+
+
 class WindowSpec:
-    """One window of a table: ``(size_ms, type)`` or None (unbounded), and its groups."""
+    """One window of a table: ``(size_ms, type, time_zone)`` or None (unbounded), and
+    its groups.
 
-    __slots__ = ("groups", "key")
+    Read at time t, a sliding window holds the event times (t - size, t]; a tumbling
+    one the bucket holding t, up to t. In integer milliseconds both are ``[low,
+    high)`` intervals (:meth:`interval`).
+    """
 
-    def __init__(self, key: tuple[int, str] | None) -> None:
+    __slots__ = ("_size", "_sliding", "_zone", "groups", "key")
+
+    def __init__(self, key: WindowKey | None) -> None:
         self.key = key
         self.groups: dict[tuple[tuple[str, Any], ...], GroupSpec] = {}
+        self._size = key[0] if key is not None else 0
+        self._sliding = key is not None and key[1] == "sliding"
+        self._zone = ZoneInfo(key[2]) if key is not None and key[2] != "UTC" else None
 
     def interval(self, ref: int | None) -> tuple[int, int]:
-        """The event times ``[low, high)`` in the window when the newest event is ``ref``."""
+        """The event times ``[low, high)`` in the window when read at ``ref`` (ms)."""
         if self.key is None:
             return _FOREVER
         if ref is None:
             return (0, 0)
-        size, kind = self.key
-        if kind == "sliding":
-            return (ref - size + 1, ref + 1)
-        start = ref - (ref % size)
-        return (start, start + size)
+        if self._sliding:
+            return (ref - self._size + 1, ref + 1)
+        start, end = self.bucket(ref)
+        return (start, min(end, ref + 1))
+
+    def bucket(self, t: int) -> tuple[int, int]:
+        """The tumbling bucket ``[start, end)`` holding ``t``: in UTC, multiples of the
+        size; in another zone, local wall-clock buckets (a day starts at local
+        midnight, so a day across a DST change lasts 23 or 25 hours)."""
+        size = self._size
+        if self._zone is None:
+            start = t - t % size
+            return (start, start + size)
+        offset = datetime.fromtimestamp(t / 1000, self._zone).utcoffset()
+        local = t + (int(offset.total_seconds() * 1000) if offset is not None else 0)
+        local_start = local - local % size
+        return (self._utc(local_start), self._utc(local_start + size))
+
+    def _utc(self, local_ms: int) -> int:
+        """Local wall-clock milliseconds (naive, since 1970-01-01) in UTC milliseconds."""
+        wall = _EPOCH + timedelta(milliseconds=local_ms)
+        return round(wall.replace(tzinfo=self._zone).timestamp() * 1000)
+
+    def changes_after(self, order: Sequence[tuple[Any, ...]], after: int, n: int) -> list[int]:
+        """The first ``n`` read times after ``after`` at which this window's rows (``order``,
+        sorted by event time) change: a row enters at its event time, and leaves
+        ``size`` later (sliding) or when its bucket ends (tumbling)."""
+        if self.key is None:
+            return []
+        times: list[int] = []
+        entering = bisect_right(order, (after, _MAX))
+        times += [key[0] for key in order[entering : entering + n]]
+        if self._sliding:
+            first = bisect_right(order, (after - self._size, _MAX))
+            times += [key[0] + self._size for key in order[first : first + n]]
+        else:
+            index = bisect_left(order, (self.bucket(after)[0],))
+            while index < len(order) and n > 0:
+                end = self.bucket(order[index][0])[1]
+                times.append(end)  # after ``after``: its bucket holds ``after`` or later
+                n -= 1
+                index = bisect_left(order, (end,), index)
+        return times
 
 
 class _Group:
@@ -209,6 +271,25 @@ class TableIndex:
     def _move(self, ref: int, rows: Mapping[str, list[Any]]) -> None:
         """The newest event time became ``ref``: rows leave and enter the windows."""
         self.ref = ref
+        self._shift(ref, rows)
+
+    def view(self, t: int, rows: Mapping[str, list[Any]]) -> None:
+        """Set the windows as read at time ``t`` (until :meth:`restore`)."""
+        self._shift(t, rows)
+
+    def restore(self, rows: Mapping[str, list[Any]]) -> None:
+        """Set the windows back as of the newest event (where updates expect them)."""
+        if self.ref is not None:
+            self._shift(self.ref, rows)
+
+    def changes_after(self, after: int, n: int) -> list[int]:
+        """The first ``n`` read times after ``after`` at which any window changes."""
+        times: set[int] = set()
+        for window in self.windows.values():
+            times.update(window.spec.changes_after(self.order, after, n))
+        return sorted(times)[:n]
+
+    def _shift(self, ref: int, rows: Mapping[str, list[Any]]) -> None:
         for window in self.windows.values():
             low, high = window.spec.interval(ref)
             a, b = window.low, window.high
@@ -238,12 +319,12 @@ class TableIndex:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def group(self, window: tuple[int, str] | None, where: tuple[tuple[str, Any], ...]) -> _Group:
+    def group(self, window: WindowKey | None, where: tuple[tuple[str, Any], ...]) -> _Group:
         return self.windows[window].groups[where]
 
     def newest(
         self,
-        window: tuple[int, str] | None,
+        window: WindowKey | None,
         where: tuple[tuple[str, Any], ...],
         column: str,
         n: int,

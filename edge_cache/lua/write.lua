@@ -3,8 +3,11 @@
 -- A value carries its source position (LSN, order in transaction) big-endian
 -- at bytes 13..24; the new value is stored only when its position is strictly
 -- later than the stored one, so redelivered and reordered events leave the
--- same state. Returns per key: 1 written, 0 refused (not newer), -1 the key
--- holds something that is not an edgefeed value (left untouched).
+-- same state. A scheduled value (flag bit 1: windows read as of the read time)
+-- at the same position as the stored one replaces it when written later: the
+-- same state, with its schedule renewed. Returns per key: 1 written, 0 refused
+-- (not newer), -1 the key holds something that is not an edgefeed value (left
+-- untouched).
 local results = {}
 for i = 1, #KEYS do
   local new = ARGV[2 * i - 1]
@@ -17,8 +20,18 @@ for i = 1, #KEYS do
     else
       local oh, ol, os = struct.unpack('>I4I4I4', string.sub(old, 13, 24))
       local nh, nl, ns = struct.unpack('>I4I4I4', string.sub(new, 13, 24))
-      if nh < oh or (nh == oh and (nl < ol or (nl == ol and ns <= os))) then
+      if nh < oh or (nh == oh and (nl < ol or (nl == ol and ns < os))) then
         verdict = 0
+      elseif nh == oh and nl == ol and ns == os then
+        if string.byte(new, 4) % 4 < 2 or string.len(old) ~= string.len(new) then
+          verdict = 0
+        else
+          local ow = struct.unpack('<i8', string.sub(old, 33, 40))
+          local nw = struct.unpack('<i8', string.sub(new, 33, 40))
+          if nw <= ow then
+            verdict = 0
+          end
+        end
       end
     end
   end

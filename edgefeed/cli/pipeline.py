@@ -200,6 +200,30 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
 EXIT_MISMATCH = 3
 
 
+def parse_read_time(text: str) -> float:
+    """``--at``: ISO 8601 with a zone, or seconds since the epoch.
+
+    Raises:
+        ValueError: neither (the message names the value and the accepted forms).
+    """
+    from datetime import datetime
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise ValueError(
+            f"--at {text!r} is not a time: give ISO 8601 with a zone "
+            "(2026-12-03T10:00:00+00:00) or seconds since the epoch"
+        )
+    return moment.timestamp()
+
+
 @pipeline_app.command("verify")
 def verify_command(
     ctx: typer.Context,
@@ -208,6 +232,13 @@ def verify_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     show: Annotated[int, typer.Option(help="Differences listed at most.")] = 20,
+    at: Annotated[
+        str | None,
+        typer.Option(
+            help="Read windows as of this time (ISO 8601 with a zone, or seconds since the "
+            "epoch; default: now). Within the schedules the caches hold."
+        ),
+    ] = None,
 ) -> None:
     """Compare every region's cache with a recomputation from the source tables.
 
@@ -221,7 +252,11 @@ def verify_command(
     if region:
         for name in region:
             run_reported(lambda name=name: settings.region(name))  # type: ignore[misc]
-    report = run_reported(lambda: verify(settings, region or None))
+    try:
+        read_at = None if at is None else parse_read_time(at)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--at") from None
+    report = run_reported(lambda: verify(settings, region or None, read_at))
     if as_json:
         print(json.dumps(report.to_dict(), default=str))
     else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -49,14 +50,18 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0  # backoff while the cache is unavailable
 INTACT_CHECK_S = 5.0  # how often the worker checks that its cache kept its data
 IDLE_TICK_S = 1.0  # longest sleep of the duty loop (wait_for_duty)
 REFILL_SLICE = 500  # vectors per write when refilling a cache that lost its data
+RENEW_SLICE = 500  # vectors per write when renewing schedules that ran out
 
 
 class CacheSink(Protocol):
     """The region's feature cache."""
 
-    async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
-        """Write the ops (position-checked) and the freshness of their entity types in one
-        round trip; per op, whether it was applied.
+    async def write(
+        self, ops: Sequence[Upsert | Delete], now_us: int, *, freshness: bool = True
+    ) -> Sequence[bool]:
+        """Write the ops (position-checked) and, with ``freshness``, the freshness of
+        their entity types in one round trip; per op, whether it was applied. (Vectors
+        written again, renewed or refilled, are not news: no freshness.)
 
         Raises:
             SinkUnavailableError: the cache did not answer (retried by the caller).
@@ -126,6 +131,8 @@ class RegionRuntime:
         on_fatal: Called when a checkpoint fails (the worker must not go on
             without its changelog); Faust's ``app.crash``.
         clock: Monotonic seconds (tests pass a fake).
+        wall: Seconds since the epoch: the read time vectors are written as of, and
+            when their schedules run out (tests pass a fake).
     """
 
     def __init__(
@@ -144,8 +151,10 @@ class RegionRuntime:
         checkpoint_interval_s: float = 1.0,
         on_fatal: Callable[[BaseException], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.region = region
+        self.wall = wall
         self.engine = engine
         self.partition_of = partition_of
         self.cache, self.changelog = cache, changelog
@@ -186,13 +195,32 @@ class RegionRuntime:
         self._written = {
             flag: metrics.cache_writes.labels(region, str(flag).lower()) for flag in (True, False)
         }
+        # Windows read as of the read time: each written vector carries its schedule up
+        # to ``until``; by then the vector is written again (renewed). Entity key ->
+        # the until of its last write, and a heap of (until, key) (stale entries are
+        # skipped when popped).
+        self._renew_at: dict[str, int] = {}
+        self._renewals: list[tuple[int, str]] = []
+        self._renewed = metrics.renewals.labels(region)
+        self._renewal_lag = metrics.renewal_lag.labels(region)
 
     # -- recovery ------------------------------------------------------------------------------
 
     def recovered(self, states: Mapping[str, EntityState]) -> None:
-        """The working states after a (re)assignment, rebuilt from the changelog."""
+        """The working states after a (re)assignment, rebuilt from the changelog.
+
+        The schedules of their cached vectors are unknown here (written before the
+        restart): every entity with windows is renewed now, a slice per duty.
+        """
         self.live.clear()
         self.live.update(states)
+        self._renew_at.clear()
+        now_us = self._now_us()
+        for key in self.live:
+            if self.engine.engine(key.split(":", 1)[0]).slots:
+                self._renew_at[key] = now_us
+        self._renewals = [(now_us, key) for key in self._renew_at]
+        self._wake.set()
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -273,6 +301,8 @@ class RegionRuntime:
         now = self.clock()
         if self.batch.due(now) or self._checkpoint_due(now):
             await self.flush()
+        if self._renewals and self._renewals[0][0] <= self._now_us():
+            await self.renew()
         if now >= self._next_intact_check:
             if self._flush_lock.locked():  # a write is retrying: ask again soon
                 self._next_intact_check = now + IDLE_TICK_S
@@ -287,6 +317,8 @@ class RegionRuntime:
         times = [self._next_intact_check, now + IDLE_TICK_S]
         checkpoint_at = None if self._checkpoint_pending() else self.ledger.due_at()
         times += [t for t in (self.batch.due_at(), checkpoint_at) if t is not None]
+        if self._renewals:
+            times.append(now + (self._renewals[0][0] - self._now_us()) / 1e6)
         return max(0.0, min(times) - now)
 
     def _checkpoint_pending(self) -> bool:
@@ -325,8 +357,12 @@ class RegionRuntime:
                 ops: list[Upsert | Delete] = []
                 for key in keys[start : start + REFILL_SLICE]:
                     entity_type, entity_id = key.split(":", 1)
-                    ops.append(self.engine.engine(entity_type).write_op(entity_id, self.live[key]))
-                await self._write(ops, keys[start : start + REFILL_SLICE])
+                    ops.append(
+                        self.engine.engine(entity_type).write_op(
+                            entity_id, self.live[key], self._now_ms()
+                        )
+                    )
+                await self._write(ops, keys[start : start + REFILL_SLICE], again=True)
             self._to_list.update(self.quarantined)  # the list went with the data
             await self._report_quarantine()
             return True
@@ -341,10 +377,11 @@ class RegionRuntime:
                 keys: list[str] = []
                 states: list[tuple[str, Delivery, EntityState]] = []
                 retry: list[tuple[Upsert | Delete, str]] = []
+                now_ms = self._now_ms()
                 for key, touched in closed.touched.items():
                     states.append((key, touched.delivery, touched.state))
                     entity = self.engine.engine(touched.entity)
-                    op = entity.write_op(touched.entity_id, touched.state)
+                    op = entity.write_op(touched.entity_id, touched.state, now_ms)
                     if key in self.quarantined:
                         retry.append((op, key))  # alone: its failure must not slow the rest
                         continue
@@ -371,11 +408,14 @@ class RegionRuntime:
                 task.add_done_callback(lambda _task: self._wake.set())
                 self._checkpoint_task = task
 
-    async def _write(self, ops: list[Upsert | Delete], keys: list[str]) -> None:
+    async def _write(
+        self, ops: list[Upsert | Delete], keys: list[str], *, again: bool = False
+    ) -> None:
         """Write ``ops`` (of entities ``keys``): retried while the cache is unavailable;
-        an entity whose value the cache refuses is quarantined, the rest written."""
+        an entity whose value the cache refuses is quarantined, the rest written.
+        ``again``: vectors written before (renewed or refilled), not news of the source."""
         try:
-            await self._write_retrying(ops)
+            await self._write_retrying(ops, again)
         except (ValueError, TypeError, OverflowError) as exc:
             if len(ops) == 1:
                 self._quarantine(keys[0], exc)
@@ -383,8 +423,9 @@ class RegionRuntime:
             # Find the entities at fault: each op alone (writes are position-checked,
             # so writing the good ones again changes nothing).
             for op, key in zip(ops, keys, strict=True):
-                await self._write([op], [key])
+                await self._write([op], [key], again=again)
             return
+        self._schedule_renewals(ops, keys)
         for key in keys:
             if self.quarantined.pop(key, None) is not None:
                 log.warning(
@@ -393,6 +434,57 @@ class RegionRuntime:
                 self._to_list.discard(key)
                 self._to_release.add(key)
                 self._quarantine_gauge.set(len(self.quarantined))
+
+    # -- renewals (windows read as of the read time) -----------------------------------------
+
+    def _now_us(self) -> int:
+        return int(self.wall() * 1_000_000)
+
+    def _now_ms(self) -> int:
+        return int(self.wall() * 1000)
+
+    def _schedule_renewals(self, ops: Sequence[Upsert | Delete], keys: Sequence[str]) -> None:
+        for op, key in zip(ops, keys, strict=True):
+            schedule = op.schedule if isinstance(op, Upsert) else None
+            until = schedule.until_us if schedule is not None else None
+            if until is None:
+                self._renew_at.pop(key, None)
+                continue
+            if self._renew_at.get(key) != until:
+                self._renew_at[key] = until
+                heapq.heappush(self._renewals, (until, key))
+        if len(self._renewals) > 2 * len(self._renew_at) + 1000:  # drop stale entries
+            self._renewals = [(until, key) for key, until in self._renew_at.items()]
+            heapq.heapify(self._renewals)
+
+    async def renew(self) -> int:
+        """Write again the vectors whose schedules ran out (at most :data:`RENEW_SLICE`
+        per call), each with its next schedule; how many were written."""
+        async with self._flush_lock:
+            now_us = self._now_us()
+            ops: list[Upsert | Delete] = []
+            keys: list[str] = []
+            lags: list[float] = []
+            while self._renewals and self._renewals[0][0] <= now_us and len(ops) < RENEW_SLICE:
+                until, key = heapq.heappop(self._renewals)
+                if self._renew_at.get(key) != until:
+                    continue  # written since, with a later schedule
+                del self._renew_at[key]
+                state = self.live.get(key)
+                if state is None or key in self.quarantined:
+                    continue
+                entity_type, entity_id = key.split(":", 1)
+                ops.append(
+                    self.engine.engine(entity_type).write_op(entity_id, state, now_us // 1000)
+                )
+                keys.append(key)
+                lags.append((now_us - until) / 1e6)
+            if ops:
+                await self._write(ops, keys, again=True)
+                self._renewed.inc(len(ops))
+                for lag in lags:
+                    self._renewal_lag.observe(max(0.0, lag))
+            return len(ops)
 
     def _quarantine(self, key: str, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
@@ -417,11 +509,11 @@ class RegionRuntime:
         self._to_list.difference_update(listed)
         self._to_release.difference_update(released)
 
-    async def _write_retrying(self, ops: list[Upsert | Delete]) -> None:
+    async def _write_retrying(self, ops: list[Upsert | Delete], again: bool = False) -> None:
         delay = self.retry_first_s
         while True:
             try:
-                await self._write_once(ops)
+                await self._write_once(ops, again)
             except SinkUnavailableError as exc:
                 # Nothing of this batch is acked until it is written: the stream
                 # waits here (the consumer pauses) and resumes where it was.
@@ -436,15 +528,15 @@ class RegionRuntime:
             self._cache_up.set(1)
             return
 
-    async def _write_once(self, ops: list[Upsert | Delete]) -> None:
+    async def _write_once(self, ops: list[Upsert | Delete], again: bool = False) -> None:
         started = time.perf_counter()
         now_us = int(time.time() * 1_000_000)
-        applied = await self.cache.write(ops, now_us)
+        applied = await self.cache.write(ops, now_us, freshness=not again)
         self._write_seconds.observe(time.perf_counter() - started)
         now_s = now_us / 1e6
         for op, written in zip(ops, applied, strict=True):
             self._written[bool(written)].inc()
-            if written:
+            if written and not again:
                 self._freshness.observe(max(0.0, now_s - commit_seconds(op)))
 
     # -- checkpoints ---------------------------------------------------------------------------

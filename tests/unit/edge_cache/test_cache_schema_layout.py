@@ -13,6 +13,7 @@ from edge_cache import (
     InvalidValueError,
     KeyLayout,
     Position,
+    Schedule,
     SchemaError,
     SchemaVersionError,
 )
@@ -250,3 +251,99 @@ def test_numpy_integer_ids_make_the_same_keys() -> None:
         layout.keys("u", [1, ""])
     with pytest.raises(InvalidValueError):
         layout.keys("u", [1, None])  # type: ignore[list-item]
+
+
+# -- scheduled values (windows read as of the read time) -------------------------------------
+
+TIMED = FeatureSchema.of("user", {"views": "int64", "spend": "float32", "seg": "int32"}, slots=3)
+SCHEDULE = Schedule(
+    patches=(
+        (2_000_000, {"views": 2, "spend": 1.5, "seg": 4}),
+        (3_000_000, {"views": 0, "seg": 4}),
+    ),
+    until_us=9_000_000,
+)
+
+
+def _read_at(
+    reader: RecordReader, raws: list[bytes | None], now_us: int
+) -> list[dict[str, object]]:
+    decoded = reader.decode(raws, list(range(len(raws))))
+    records = reader.in_force(decoded.records, now_us)
+    out = []
+    for record in records:
+        views, seg = record["r0"][0], record["r2"][0]
+        valid = int(record["valid"][0])
+        out.append(
+            {
+                "views": int(views) if valid & 1 else None,
+                "spend": float(record["r1"][0]) if valid & 2 else None,
+                "seg": int(seg) if valid & 4 else None,
+                "until": int(record["until_us"]),
+            }
+        )
+    return out
+
+
+def test_a_scheduled_value_reads_the_vector_in_force_at_each_read_time() -> None:
+    layout = RecordLayout(TIMED)
+    raw = layout.encode(
+        {"views": 3, "spend": 2.5, "seg": 4}, Position(7, 1), 10, 1_000_000, SCHEDULE
+    )
+    assert len(raw) == layout.itemsize and raw[3] == 2  # flag: scheduled
+    reader = RecordReader(TIMED, KeyLayout())
+    for now_us, views, spend in (
+        (0, 3, 2.5),  # before the write: the vector written
+        (1_999_999, 3, 2.5),
+        (2_000_000, 2, 1.5),
+        (2_999_999, 2, 1.5),
+        (3_000_000, 0, None),  # a patch is a whole vector: spend is missing
+        (50_000_000, 0, None),  # past until: the last one (the worker renews by then)
+    ):
+        # one value alone (per-value path) and among many (the bulk NumPy path)
+        for raws in ([raw], [raw] * 12):
+            got = _read_at(reader, raws, now_us)
+            assert all(g == got[0] for g in got)
+            assert got[0] == {"views": views, "spend": spend, "seg": 4, "until": 9_000_000}, now_us
+
+
+def test_more_patches_than_slots_end_the_schedule_at_the_first_left_out() -> None:
+    layout = RecordLayout(TIMED)
+    patches = tuple((t * 1_000_000, {"views": t}) for t in range(1, 6))
+    raw = layout.encode({"views": 0}, Position(7, 1), 10, 10, Schedule(patches, None))
+    reader = RecordReader(TIMED, KeyLayout())
+    got = _read_at(reader, [raw], 3_500_000)[0]
+    assert got["views"] == 3 and got["until"] == 4_000_000
+    with pytest.raises(InvalidValueError, match="increasing times"):
+        layout.encode({}, Position(7, 1), 10, 10, Schedule(((5, {}), (5, {})), None))
+    with pytest.raises(InvalidValueError, match="no slots"):
+        RecordLayout(MIXED).encode({}, Position(7, 1), 10, 10, SCHEDULE)
+
+
+def test_scheduled_values_translate_between_versions_at_the_read_time() -> None:
+    newer = TIMED.evolve(Feature("extra", "float64"))
+    raw = RecordLayout(newer).encode({"views": 3, "extra": 1.0}, Position(7, 1), 10, 10, SCHEDULE)
+    reader = RecordReader(TIMED, KeyLayout())
+    reader.learn(newer.version, newer.fingerprint, newer.to_json())
+    views = [_read_at(reader, [raw], t)[0]["views"] for t in (0, 2_000_000, 3_000_000)]
+    assert views == [3, 2, 0]
+    # A reader without slots (an older deployment) reads the vector in force now.
+    older_unscheduled = FeatureSchema.of("user", {"views": "int64", "spend": "float32"})
+    mixed_reader = RecordReader(older_unscheduled, KeyLayout())
+    timed_v2 = FeatureSchema.of(
+        "user", {"views": "int64", "spend": "float32", "seg": "int32"}, version=2, slots=2
+    )
+    mixed_reader.learn(2, timed_v2.fingerprint, timed_v2.to_json())
+    now_patch = Schedule(((1, {"views": 9}),), None)  # in force since 1 us after the epoch
+    value = RecordLayout(timed_v2).encode({"views": 3}, Position(7, 1), 10, 10, now_patch)
+    decoded = mixed_reader.decode([value], [1])
+    assert int(decoded.records[0]["r0"][0]) == 9
+
+
+def test_slots_are_part_of_the_fingerprint_and_the_registry_document() -> None:
+    plain = FeatureSchema.of("user", {"views": "int64", "spend": "float32", "seg": "int32"})
+    assert plain.fingerprint != TIMED.fingerprint
+    assert FeatureSchema.from_json(TIMED.to_json()) == TIMED
+    assert "slots" not in plain.to_json()  # unscheduled documents are unchanged
+    with pytest.raises(SchemaError, match="slots=-1"):
+        FeatureSchema.of("user", ["a"], slots=-1)

@@ -114,7 +114,7 @@ def test_a_stale_entity_removal_keeps_rows_written_after_it() -> None:
     state, _ = USER.apply(state, event(60, 1))
     state, changed = USER.apply(state, dict(user_row(40), op="x", row=None))  # older delete
     assert changed
-    op = USER.write_op(7, state)
+    op = USER.write_op(7, state, now_ms=T0 + 1000)
     assert isinstance(op, Upsert)  # the live user was not wiped
     assert op.values["segment"] == 3 and op.values["views_30m"] == 1
     # A removal newer than everything does remove the user, and older changes arriving

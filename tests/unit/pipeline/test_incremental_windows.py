@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from datetime import datetime, timedelta
 from fractions import Fraction
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -96,23 +98,54 @@ ENTITY = EntitySettings.model_validate(
                 "n": 2,
                 "window": {"size": "20s"},
             },
+            {
+                "name": "events_today",
+                "table": "public.events",
+                "agg": "count",
+                "window": {"size": "1d", "type": "tumbling"},
+            },
+            {
+                "name": "buys_today_new_york",
+                "table": "public.events",
+                "agg": "count",
+                "where": {"kind": "buy"},
+                "window": {"size": "1d", "type": "tumbling", "time_zone": "America/New_York"},
+            },
         ],
     }
 )
 
 
-def _in_window(entries: list[list[Any]], agg: AggregateFeature, ref: int | None) -> list[Any]:
+def _bucket(agg: AggregateFeature, t: int) -> tuple[int, int]:
+    """The tumbling bucket holding ``t``, the plain way (a zone's days from local midnight)."""
+    assert agg.window is not None
+    size = agg.window.size_ms
+    if agg.window.time_zone == "UTC":
+        return (t - t % size, t - t % size + size)
+    assert size == 86_400_000, "the oracle knows local days only"
+    zone = ZoneInfo(agg.window.time_zone)
+    day = datetime.fromtimestamp(t / 1000, zone).date()
+    start = datetime.combine(day, datetime.min.time(), zone)
+    end = datetime.combine(day + timedelta(days=1), datetime.min.time(), zone)
+    return (round(start.timestamp() * 1000), round(end.timestamp() * 1000))
+
+
+def _in_window(
+    entries: list[list[Any]], agg: AggregateFeature, ref: int | None, at: int | None
+) -> list[Any]:
     if agg.window is None or ref is None:
         return entries
     size = agg.window.size_ms
+    t = ref if at is None else at
     if agg.window.type == "sliding":
-        return [e for e in entries if ref - size < e[_T] <= ref]
-    start = ref - ref % size
-    return [e for e in entries if start <= e[_T] < start + size]
+        return [e for e in entries if t - size < e[_T] <= t]
+    start, end = _bucket(agg, t)
+    return [e for e in entries if start <= e[_T] < end and e[_T] <= t]
 
 
-def oracle(engine: EntityEngine, state: dict[str, Any]) -> dict[str, Any]:
-    """Every feature recomputed from the rows."""
+def oracle(engine: EntityEngine, state: dict[str, Any], at: int | None = None) -> dict[str, Any]:
+    """Every feature recomputed from the rows, with windows read at ``at`` (None: as of
+    the newest event of each table)."""
     values: dict[str, Any] = {}
     for latest in engine.settings.latest:
         live = [e for e in state["rows"].get(latest.table, {}).values() if not e[_DEL]]
@@ -122,7 +155,7 @@ def oracle(engine: EntityEngine, state: dict[str, Any]) -> dict[str, Any]:
         rows = state["rows"].get(agg.table, {})
         ref = max((e[_T] for e in rows.values()), default=None)
         keyed = {id(e): pk_rank(pk) for pk, e in rows.items()}
-        entries = _in_window([e for e in rows.values() if not e[_DEL]], agg, ref)
+        entries = _in_window([e for e in rows.values() if not e[_DEL]], agg, ref, at)
         entries = [e for e in entries if all(e[_VALS].get(k) == v for k, v in agg.where.items())]
         column = agg.column or ""
         present = [e for e in entries if e[_VALS].get(column) is not None]

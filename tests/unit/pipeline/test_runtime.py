@@ -197,6 +197,8 @@ class FakeCache:
         self.refuse: set[str] = set()  # entity keys whose values the cache refuses
         self.lost = False
         self.quarantine_list: dict[str, str] = {}  # what monitoring reads
+        self.writes: list[tuple[list[str], bool]] = []  # (entity keys, with freshness)
+        self.ops: dict[str, Upsert | Delete] = {}
 
     async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
         if self.down_for:
@@ -211,8 +213,11 @@ class FakeCache:
             return False
         return True
 
-    async def write(self, ops: Sequence[Upsert | Delete], now_us: int) -> Sequence[bool]:
+    async def write(
+        self, ops: Sequence[Upsert | Delete], now_us: int, *, freshness: bool = True
+    ) -> Sequence[bool]:
         self.entered.set()
+        self.writes.append((sorted(f"{o.entity}:{o.id}" for o in ops), freshness))
         if self.gate is not None:
             await self.gate.wait()
         if self.down_for:
@@ -224,6 +229,7 @@ class FakeCache:
         for op in ops:
             key = f"{op.entity}:{op.id}"
             self.vectors[key] = op.values if isinstance(op, Upsert) else None
+            self.ops[key] = op
         self.journal.events.append(("cache", sorted(f"{o.entity}:{o.id}" for o in ops)))
         return [True] * len(ops)
 
@@ -297,13 +303,14 @@ def make_runtime(
         checkpoint_interval_s=1.0,
         on_fatal=on_fatal,
         clock=clock,
+        wall=lambda: (T0 + 1000) / 1000 + clock() - 1000.0,
     )
     runtime.fatal = fatal  # type: ignore[attr-defined]
     runtime.retry_first_s = runtime.retry_max_s = 0.001
     return runtime, journal, cache, changelog, dead, clock
 
 
-def view(event_id: int, user: int, lsn: int) -> RegionalChange:
+def view(event_id: int, user: int, lsn: int, at_ms: int = T0) -> RegionalChange:
     row = {
         "event_id": event_id,
         "user_id": user,
@@ -312,7 +319,7 @@ def view(event_id: int, user: int, lsn: int) -> RegionalChange:
         "price": "1.50",
         "home_region": "eu-west",
         "kind": "view",
-        "occurred_at": T0 * 1000,
+        "occurred_at": at_ms * 1000,
     }
     return RegionalChange("public.events", "c", lsn, 0, T0, "user", user, str(event_id), row)
 
@@ -572,3 +579,48 @@ async def test_a_checkpoint_started_by_a_duty_lets_the_event_loop_run() -> None:
     assert runtime._checkpoint_task is first  # no second task
     await asyncio.wait_for(runtime.wait_for_duty(), 2.0)  # woken when it ends
     assert first.done() and acked(journal) == [1]
+
+
+# -- windows read as of the read time: renewals ------------------------------------------------
+
+
+async def test_a_vector_is_written_again_when_its_schedule_runs_out() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    wall = runtime.wall
+    # Views a minute apart: more window changes lie ahead than a value has slots.
+    views = [view(i, 7, 10 + i, T0 - i * 60_000) for i in range(8)]
+    await runtime.on_message(Delivery(0, 1), pack(*views))
+    clock.now += 0.05
+    await runtime.tick()
+    first = cache.ops["user:7"]
+    assert isinstance(first, Upsert) and first.schedule is not None
+    until = first.schedule.until_us
+    assert until is not None and first.values["views_30m"] == 8
+    assert cache.writes == [(["user:7"], True)]
+    # Nothing to renew before the schedule's end; the duty loop wakes for it.
+    clock.now += (until / 1e6 - wall()) - 0.5
+    await runtime.tick()
+    assert len(cache.writes) == 1
+    assert runtime.seconds_to_duty() == pytest.approx(0.5, abs=0.01)
+    clock.now += 0.5
+    await runtime.tick()
+    renewed = cache.ops["user:7"]
+    assert isinstance(renewed, Upsert) and renewed.position == first.position
+    assert cache.writes[-1] == (["user:7"], False)  # written again: not news, no freshness
+    engine = runtime.engine.engine("user")
+    assert renewed.values == engine.vector(runtime.live["user:7"], until // 1000)
+    assert renewed.values["views_30m"] < 8  # the oldest views left the window
+    assert renewed.schedule is not None and renewed.schedule.until_us != until
+
+
+async def test_after_recovery_every_vector_with_windows_is_renewed() -> None:
+    """The schedules of vectors written before a restart are unknown: all are renewed."""
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10), view(2, 8, 11)))
+    clock.now += 0.05
+    await runtime.tick()
+    states = dict(runtime.live)
+    cache.writes.clear()
+    runtime.recovered(states)
+    await runtime.tick()
+    assert cache.writes == [(["user:7", "user:8"], False)]
