@@ -11,6 +11,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ from monitoring.snapshots import read_snapshots
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
 REGION = "eu-west"
-BASE = "2026-06-01T12:00:00+00:00"
+# Event times are explicit, relative to the test's start (set by the ``run`` fixture):
+# windows are read as of the read time.
+ANCHOR = {"at": datetime.now(UTC)}
 USERS = range(2001, 2031)  # 30 users of eu-west
 OLD_EVENTS_PER_USER = 300  # 2..14 days old: never streamed, older than any v1 window
 VIEWS_7D = {
@@ -58,6 +61,7 @@ def deadline_loop(what: str, timeout_s: float) -> Iterator[None]:
 def run(
     devstack: DevStack, stack_mapping: dict[str, Any], tmp_path: Path
 ) -> Iterator[tuple[PipelineRun, dict[str, Any]]]:
+    ANCHOR["at"] = datetime.now(UTC)
     tag = unique_name("bf").lower()
     schema = f"s_{tag}"
     mapping = shop_settings(stack_mapping, schema, tag)
@@ -71,7 +75,7 @@ def run(
             "CASE WHEN i %% 3 = 0 THEN 'click' ELSE 'view' END, "
             "%s::timestamptz - make_interval(hours => 48 + i) "
             "FROM generate_series(%s::int, %s::int) AS u, generate_series(1, %s::int) AS i",
-            (REGION, BASE, USERS.start, USERS.stop - 1, OLD_EVENTS_PER_USER),
+            (REGION, ANCHOR["at"], USERS.start, USERS.stop - 1, OLD_EVENTS_PER_USER),
         )
 
     with shop_pipeline(mapping, schema, tmp_path, ["router", REGION], seed=history) as pipeline:
@@ -89,7 +93,7 @@ def stream_event(settings: EdgefeedSettings, schema: str, user: int, seconds_aft
         f"INSERT INTO {schema}.events (user_id, item_id, category_id, price, home_region, kind, "
         "occurred_at) VALUES (%s, 100, 1, 2.00, %s, 'view', "
         "%s::timestamptz + make_interval(secs => %s))",
-        (user, REGION, BASE, seconds_after),
+        (user, REGION, ANCHOR["at"], seconds_after),
     )
 
 
@@ -233,7 +237,8 @@ def test_a_7_day_feature_is_backfilled_while_streaming_goes_on(
         values = client.get("user", list(USERS)).to_dicts()
     finally:
         client.close()
-    old_views = sum(1 for i in range(1, OLD_EVENTS_PER_USER + 1) if i % 3 and 48 + i <= 168)
+    # Read now, minutes after the anchor: the view 168 hours before it has just left.
+    old_views = sum(1 for i in range(1, OLD_EVENTS_PER_USER + 1) if i % 3 and 48 + i < 168)
     assert {v["views_7d"] for v in values} == {old_views + 1}
     # A reader still on version 1 reads the version-2 vectors (its prefix).
     v1_schemas = feature_schemas(v1)

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -17,11 +18,27 @@ import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from e2e_harness import PipelineRun, pipeline_run  # noqa: F401 - the fixture
 
+from edge_cache.layout import header_times
 from edgefeed.lookup import feature_client
 
 pytestmark = pytest.mark.integration
 
-BASE = "2026-06-01T12:00:00+00:00"  # event times are explicit: windows are exact
+# Event times are explicit, minutes before each test's start: windows are read as of
+# the read time, so the values a test expects hold for as long as no event it placed
+# leaves a window (the nearest edge is over 20 minutes away).
+ANCHOR = {"at": datetime.now(UTC)}
+
+
+@pytest.fixture(autouse=True)
+def _anchor() -> None:
+    ANCHOR["at"] = datetime.now(UTC)
+
+
+def today_count(*minutes_before: float) -> int:
+    """How many of the events placed ``minutes_before`` the anchor fall on today's UTC
+    date (a test running just after midnight sees yesterday's as 0)."""
+    today = datetime.now(UTC).date()
+    return sum((ANCHOR["at"] - timedelta(minutes=m)).date() == today for m in minutes_before)
 
 
 def sql(run: PipelineRun, statement: str, params: Any = None) -> None:
@@ -44,7 +61,7 @@ def add_event(
         "INSERT INTO {s}.events (user_id, item_id, category_id, price, home_region, kind, "
         "occurred_at) VALUES (%s, %s, %s, %s, %s, %s, "
         "%s::timestamptz - make_interval(secs => %s))",
-        (user, item, category, price, region, kind, BASE, minutes_before * 60),
+        (user, item, category, price, region, kind, ANCHOR["at"], minutes_before * 60),
     )
 
 
@@ -139,10 +156,10 @@ def test_rows_become_exact_features_in_their_home_region_only(pipeline_run: Pipe
     )
     for kind, item, category, price, minutes in [
         ("view", 501, 7, "12.50", 40),
-        ("view", 502, 8, "3.00", 20),
-        ("view", 501, 7, "12.50", 10),
-        ("click", 501, 7, "12.50", 9),
-        ("purchase", 501, 7, "12.50", 5),
+        ("view", 502, 8, "3.00", 8),
+        ("view", 501, 7, "12.50", 4),
+        ("click", 501, 7, "12.50", 3),
+        ("purchase", 501, 7, "12.50", 2),
         ("add_to_cart", 502, 8, "3.00", 1),
     ]:
         add_event(run, 1001, item, category, price, "eu-west", kind, minutes)
@@ -155,11 +172,11 @@ def test_rows_become_exact_features_in_their_home_region_only(pipeline_run: Pipe
     user = vector(run, "eu-west", "user", 1001)
     assert user is not None
     assert user["segment"] == 2
-    assert user["views_30m"] == 2  # 20 and 10 minutes before the newest event; 40 is outside
+    assert user["views_30m"] == 2  # 8 and 4 minutes before now; 40 is outside
     assert user["clicks_30m"] == 1
     assert user["carts_1h"] == 1
-    assert user["purchases_today"] == 1
-    assert user["spend_today"] == pytest.approx(12.5)
+    assert user["purchases_today"] == today_count(2)
+    assert user["spend_today"] == pytest.approx(12.5 * today_count(2))
     assert user["avg_price_viewed_1h"] == pytest.approx((12.5 + 3.0 + 12.5) / 3, rel=1e-6)
     assert user["max_price_viewed_1h"] == pytest.approx(12.5)
     assert user["distinct_items_1h"] == 2
@@ -378,3 +395,57 @@ def test_kill_9_of_a_regional_worker_mid_stream_loses_no_update(pipeline_run: Pi
         "user 1001's next view counted on top of its recovered ones",
         lambda: (vector(run, "eu-west", "user", 1001) or {}).get("views_30m") == before_views + 1,
     )
+
+
+def test_windows_are_read_as_of_the_read_time(pipeline_run: PipelineRun) -> None:
+    """An inactive user's window counts decay to 0 as the window passes (the worker
+    renews the value when its schedule runs out), and a daily count is 0 after
+    midnight: what a lookup returns depends on when it reads, not on the user's last
+    event."""
+    run = pipeline_run
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(1005, 'us-east', 'US', 1, 'e@example.org'), (1006, 'us-east', 'US', 1, 'f@example.org')",
+    )
+    # Six views that leave the 30-minute window 20..45 s from now: more changes than a
+    # value's schedule holds (4), so the value must be renewed to reach 0.
+    for i in range(6):
+        add_event(run, 1005, 800 + i, 3, "2.00", "us-east", "view", 30 - (20 + 5 * i) / 60)
+    purchase_at = ANCHOR["at"] - timedelta(minutes=1)
+    add_event(run, 1006, 900, 3, "5.00", "us-east", "purchase", 1)
+
+    def views_now() -> int:
+        return int((vector(run, "us-east", "user", 1005) or {}).get("views_30m") or 0)
+
+    wait_for(  # the newest view (item 805) is in: all six are
+        "user 1005's views",
+        lambda: (vector(run, "us-east", "user", 1005) or {}).get("last_items.1") == 805,
+    )
+    key = "ef:{user:1005}"
+    first = redis_of(run, "us-east").get(key)
+    assert first is not None
+    wait_for("user 1005's views left the window", lambda: views_now() == 0, timeout_s=150)
+    renewed = redis_of(run, "us-east").get(key)
+    assert renewed is not None
+    assert renewed[12:24] == first[12:24]  # the same source position: nothing new arrived
+    assert header_times(renewed)[1] > header_times(first)[1]  # written again: renewed
+
+    # The daily count, read at times around the next UTC midnight (within the schedule
+    # written with the purchase: nothing else changes before then but the 1-hour windows).
+    wait_for("user 1006's purchase", lambda: vector(run, "us-east", "user", 1006) is not None)
+    midnight = datetime.combine(
+        ANCHOR["at"].date() + timedelta(days=1), datetime.min.time(), tzinfo=UTC
+    )
+    client = feature_client(run.settings, "us-east", timeout_s=2)
+    try:
+        for at in (datetime.now(UTC), midnight - timedelta(seconds=1), midnight):
+            got = client.get("user", [1006], at=at).to_dicts()[0]
+            expected = int(purchase_at.date() == at.date())
+            assert got["purchases_today"] == expected, at
+            assert got["spend_today"] == pytest.approx(5.0 * expected), at
+        later = client.get("user", [1006], at=ANCHOR["at"] + timedelta(hours=2)).to_dicts()[0]
+        assert later["distinct_items_1h"] == 0 and later["top_categories_1h.1"] is None
+        assert later["last_items.1"] == 900  # a one-day window: still there
+    finally:
+        client.close()
