@@ -7,6 +7,11 @@ here on a free loopback port, stopped at the end):
   (1 entity) or one MGET (100 entities) and turned into a NumPy matrix.
 * edgefeed: ``FeatureClient.get(...).to_numpy()`` / ``AsyncFeatureClient``,
   near cache off and on (on: every read is a near-cache hit).
+* edgefeed, scheduled: the same 50 features in an entity type whose windows are
+  read as of the read time (``slots=4``: each value carries the next 4 vectors
+  and when they take over; half the entities read a scheduled one). Its values
+  are 5x larger than the floor's; the floor stays what a plain application
+  would store (one vector, no time).
 * Feast: ``FeatureStore.get_online_features(...).to_dict()`` on a Redis online
   store holding the same values. Feast pins redis<8 (edgefeed uses redis 8), so
   it runs in its own virtual environment, driven as a subprocess; the interpreter
@@ -51,6 +56,7 @@ from edge_cache import (
     NearCacheConfig,
     Position,
     RegionSettings,
+    Schedule,
     Upsert,
 )
 
@@ -58,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 N_ENTITIES = 1000
 N_FEATURES = 50
 SIZES = (1, 100)
+SLOTS = 4  # pipeline.features.SCHEDULE_SLOTS
 
 FEAST_DRIVER = r"""
 import json, sys, tempfile, time, os
@@ -307,11 +314,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for size in SIZES
     }
     schema = FeatureSchema.of("user", [f"f{i}" for i in range(N_FEATURES)])
+    timed = FeatureSchema.of("timed", [f"f{i}" for i in range(N_FEATURES)], slots=SLOTS)
     server = RedisServer()
     results: dict[str, Any] = {"cases": {}, "checks": {}}
     try:
         region = RegionSettings(name="bench", redis_url=server.url, residency_zone="local")
-        with FeatureWriter.from_region(region, [schema]) as writer:
+        with FeatureWriter.from_region(region, [schema, timed]) as writer:
             now = time.time()
             writer.write(
                 [
@@ -325,6 +333,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for i, row in enumerate(data)
                 ]
             )
+            # Scheduled values: odd entities read their first patch (in force since a
+            # minute ago), even ones the vector written; every slot is used.
+            now_us = int(now * 1e6)
+
+            def vector(row: np.ndarray) -> dict[str, float]:
+                return dict(zip(timed.names, row.tolist(), strict=True))
+
+            writer.write(
+                [
+                    Upsert(
+                        "timed",
+                        i,
+                        vector(row - 1),
+                        Position(1),
+                        now,
+                        schedule=Schedule(
+                            tuple(
+                                (
+                                    now_us
+                                    + (
+                                        k * 3_600_000_000
+                                        if k
+                                        else (-1 if i % 2 else 1) * 60_000_000
+                                    ),
+                                    vector(row if k == 0 else row + k),
+                                )
+                                for k in range(SLOTS)
+                            ),
+                            now_us + SLOTS * 3_600_000_000,
+                        ),
+                    )
+                    for i, row in enumerate(data)
+                ]
+            )
+            expected_timed = np.where((np.arange(n_entities) % 2 == 1)[:, None], data, data - 1)
         plain = redis.Redis.from_url(server.url)
         plain.mset({f"plain:{i}": row.tobytes() for i, row in enumerate(data)})
 
@@ -343,20 +386,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return np.frombuffer(b"".join(raw), np.float32).reshape(len(ids), -1)
 
         near = NearCacheConfig(max_entries=10_000, ttl_s=3600)
-        off = FeatureClient("bench", [region], [schema])
+        off = FeatureClient("bench", [region], [schema, timed])
         on = FeatureClient("bench", [region], [schema], near_cache=near)
         deadline = time.monotonic() + 5
         while on.near is not None and not on.near.active and time.monotonic() < deadline:
             time.sleep(0.01)
 
-        def check(name: str, got: np.ndarray, ids: list[int]) -> None:
-            ok = bool(np.array_equal(got, data[ids]))
+        def check(name: str, got: np.ndarray, ids: list[int], want: np.ndarray = data) -> None:
+            ok = bool(np.array_equal(got, want[ids]))
             results["checks"][name] = ok
             if not ok:
                 raise AssertionError(f"{name}: values differ from the written ones")
 
         async def run_cases() -> None:
-            aoff = AsyncFeatureClient("bench", [region], [schema])
+            aoff = AsyncFeatureClient("bench", [region], [schema, timed])
             aon = AsyncFeatureClient("bench", [region], [schema], near_cache=near)
             try:
                 # the listener is a thread: poll its flag (no asyncio.Event to wait on)
@@ -371,6 +414,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 async def on_call(ids: list[int]) -> np.ndarray:
                     return (await aon.get("user", ids)).to_numpy()
 
+                async def timed_call(ids: list[int]) -> np.ndarray:
+                    return (await aoff.get("timed", ids)).to_numpy()
+
                 cases: list[Case] = []
                 for size in SIZES:
                     sample = batches[size]
@@ -379,6 +425,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     check(f"plain async {size}", await aplain_read(first), first)
                     check(f"edgefeed {size}", off.get("user", first).to_numpy(), first)
                     check(f"edgefeed async {size}", await off_call(first), first)
+                    for ids in sample[:4]:
+                        got = off.get("timed", ids).to_numpy()
+                        check(f"edgefeed scheduled {size}", got, ids, expected_timed)
+                        got = await timed_call(ids)
+                        check(f"edgefeed async scheduled {size}", got, ids, expected_timed)
                     for batch in sample:  # fill the near caches: "near-on" measures hits
                         on.get("user", batch)
                         await aon.get("user", batch)
@@ -402,7 +453,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             False,
                             sample,
                         ),
+                        Case(
+                            f"edgefeed sync scheduled {tag}",
+                            lambda ids: off.get("timed", ids).to_numpy(),
+                            False,
+                            sample,
+                        ),
                         Case(f"plain redis-py async {tag}", aplain_read, True, sample),
+                        Case(f"edgefeed async scheduled {tag}", timed_call, True, sample),
                         Case(f"edgefeed async near-off {tag}", off_call, True, sample),
                         Case(f"edgefeed async near-on {tag}", on_call, True, sample),
                     ]
@@ -449,6 +507,9 @@ def ratios(cases: dict[str, dict[str, float]]) -> dict[str, float]:
         floor = cases[f"plain redis-py sync {tag}"]
         out[f"edgefeed/plain p50 {tag}"] = ours["p50_us"] / floor["p50_us"]
         out[f"edgefeed/plain p99 {tag}"] = ours["p99_us"] / floor["p99_us"]
+        scheduled = cases[f"edgefeed sync scheduled {tag}"]
+        out[f"edgefeed scheduled/plain p50 {tag}"] = scheduled["p50_us"] / floor["p50_us"]
+        out[f"edgefeed scheduled/plain p99 {tag}"] = scheduled["p99_us"] / floor["p99_us"]
         aours = cases[f"edgefeed async near-off {tag}"]
         afloor = cases[f"plain redis-py async {tag}"]
         out[f"edgefeed/plain async p50 {tag}"] = aours["p50_us"] / afloor["p50_us"]
