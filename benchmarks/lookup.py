@@ -10,8 +10,9 @@ here on a free loopback port, stopped at the end):
 * edgefeed, scheduled: the same 50 features in an entity type whose windows are
   read as of the read time (``slots=4``: each value carries the next 4 vectors
   and when they take over; half the entities read a scheduled one). Its values
-  are 5x larger than the floor's; the floor stays what a plain application
-  would store (one vector, no time).
+  are 4.5x larger than the floor's; the floor stays what a plain application
+  would store (one vector, no time). A second floor, "same-bytes", MGETs the
+  scheduled values themselves without decoding: what their size alone costs.
 * Feast: ``FeatureStore.get_online_features(...).to_dict()`` on a Redis online
   store holding the same values. Feast pins redis<8 (edgefeed uses redis 8), so
   it runs in its own virtual environment, driven as a subprocess; the interpreter
@@ -377,6 +378,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raw = plain.mget([f"plain:{i}" for i in ids])
             return np.frombuffer(b"".join(raw), np.float32).reshape(len(ids), -1)
 
+        timed_size = len(plain.get("ef:{timed:0}") or b"")
+
+        def plain_same_bytes(ids: list[int]) -> np.ndarray:
+            """The floor for scheduled values: plain MGET of the same keys and bytes,
+            viewed as raw bytes (no decoding): what their size alone costs."""
+            raw = plain.mget([f"ef:{{timed:{i}}}" for i in ids])
+            return np.frombuffer(b"".join(raw), np.uint8).reshape(len(ids), timed_size)
+
         aplain = aioredis.Redis.from_url(server.url)
 
         async def aplain_read(ids: list[int]) -> np.ndarray:
@@ -454,6 +463,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             sample,
                         ),
                         Case(
+                            f"plain redis-py sync same-bytes {tag}", plain_same_bytes, False, sample
+                        ),
+                        Case(
                             f"edgefeed sync scheduled {tag}",
                             lambda ids: off.get("timed", ids).to_numpy(),
                             False,
@@ -510,6 +522,9 @@ def ratios(cases: dict[str, dict[str, float]]) -> dict[str, float]:
         scheduled = cases[f"edgefeed sync scheduled {tag}"]
         out[f"edgefeed scheduled/plain p50 {tag}"] = scheduled["p50_us"] / floor["p50_us"]
         out[f"edgefeed scheduled/plain p99 {tag}"] = scheduled["p99_us"] / floor["p99_us"]
+        same = cases[f"plain redis-py sync same-bytes {tag}"]
+        out[f"edgefeed scheduled/same-bytes p50 {tag}"] = scheduled["p50_us"] / same["p50_us"]
+        out[f"same-bytes/plain p50 {tag}"] = same["p50_us"] / floor["p50_us"]
         aours = cases[f"edgefeed async near-off {tag}"]
         afloor = cases[f"plain redis-py async {tag}"]
         out[f"edgefeed/plain async p50 {tag}"] = aours["p50_us"] / afloor["p50_us"]

@@ -62,7 +62,7 @@ class Plan(NamedTuple):  # a NamedTuple: built on every call, and cheaper than a
     ids: tuple[Any, ...]
     keys: list[str]
     max_staleness_us: int | None
-    at_us: int | None  # the read time (None: now)
+    at_us: int  # the read time: windows are read as of it (default: the call's start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,17 +323,13 @@ class LookupCore:
             id_tuple,
             self.layout.keys(entity, id_tuple),
             staleness_us,
-            None if at is None else _read_time_us(at),
+            time.time_ns() // 1000 if at is None else _read_time_us(at),
         )
 
     def assemble(self, plan: Plan, region: str, decoded: Decoded, near_hits: int) -> FeatureVectors:
         """The result of a call from the values ``region`` returned: each vector as in
         force at the read time (windows read as of then: see ``FeatureSchema.slots``)."""
-        now_us = time.time_ns() // 1000 if plan.at_us is None else plan.at_us
-        if plan.schema.slots:
-            records = plan.reader.in_force(decoded.records, now_us)
-            if records is not decoded.records:
-                decoded = replace(decoded, records=records)
+        now_us = plan.at_us
         return build_vectors(
             entity=plan.schema.entity,
             ids=plan.ids,
@@ -428,7 +424,7 @@ class LookupCore:
             # everything in the near cache: no I/O, so no breaker either
             cached, misses = near.lookup(plan.keys)
             if not misses:
-                decoded = plan.reader.decode(cached, plan.ids)
+                decoded = plan.reader.decode(cached, plan.ids, plan.at_us)
                 if not decoded.needs:
                     result = self.assemble(plan, home, decoded, len(plan.keys))
                     self.record(plan, result, started)
@@ -481,7 +477,7 @@ class LookupCore:
                 near.fill(read_keys, read_values, ticket)
                 for index, value in zip(misses, read_values, strict=True):
                     raws[index] = value
-        decoded = plan.reader.decode(raws, plan.ids)
+        decoded = plan.reader.decode(raws, plan.ids, plan.at_us)
         if decoded.needs:
             for version, fingerprint in decoded.needs:
                 document = yield ReadSchema(
@@ -490,7 +486,7 @@ class LookupCore:
                 if isinstance(document, Failure):
                     return document
                 plan.reader.learn(version, fingerprint, document)
-            decoded = plan.reader.decode(raws, plan.ids)
+            decoded = plan.reader.decode(raws, plan.ids, plan.at_us)
         found = len(read_values) - read_values.count(None)
         if existing is not None and existing > found:
             # MGET reads a key of another Redis type (a hash...) as nil: name it, never

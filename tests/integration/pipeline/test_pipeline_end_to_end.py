@@ -20,6 +20,7 @@ from e2e_harness import PipelineRun, pipeline_run  # noqa: F401 - the fixture
 
 from edge_cache.layout import header_times
 from edgefeed.lookup import feature_client
+from edgefeed.verify import verify
 
 pytestmark = pytest.mark.integration
 
@@ -425,7 +426,13 @@ def test_windows_are_read_as_of_the_read_time(pipeline_run: PipelineRun) -> None
     key = "ef:{user:1005}"
     first = redis_of(run, "us-east").get(key)
     assert first is not None
+    # The cache equals a recomputation from PostgreSQL with windows read at one time...
+    report = verify(run.settings, ["us-east"])
+    assert report.ok and report.checked["us-east"] > 0, report.to_dict()["mismatches"][:5]
     wait_for("user 1005's views left the window", lambda: views_now() == 0, timeout_s=150)
+    # ... and at another, after the views left and the value was renewed.
+    report = verify(run.settings, ["us-east"])
+    assert report.ok, report.to_dict()["mismatches"][:5]
     renewed = redis_of(run, "us-east").get(key)
     assert renewed is not None
     assert renewed[12:24] == first[12:24]  # the same source position: nothing new arrived

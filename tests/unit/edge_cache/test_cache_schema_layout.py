@@ -268,8 +268,7 @@ SCHEDULE = Schedule(
 def _read_at(
     reader: RecordReader, raws: list[bytes | None], now_us: int
 ) -> list[dict[str, object]]:
-    decoded = reader.decode(raws, list(range(len(raws))))
-    records = reader.in_force(decoded.records, now_us)
+    records = reader.decode(raws, list(range(len(raws))), now_us).records
     out = []
     for record in records:
         views, seg = record["r0"][0], record["r2"][0]
