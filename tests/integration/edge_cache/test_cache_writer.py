@@ -20,6 +20,7 @@ from edge_cache import (
     KeyLayout,
     Position,
     RegionSettings,
+    Schedule,
     SchemaError,
     Upsert,
     WriteOp,
@@ -175,3 +176,34 @@ def test_batch_is_one_round_trip(
     ops = [Upsert("user", i, {"a": float(i)}, Position(2), time.time()) for i in range(50)]
     assert all(writer.write(ops))
     assert sent == [50]
+
+
+def test_a_scheduled_value_is_renewed_at_the_same_position_and_read_as_of_the_read_time(
+    home: RegionSettings, make_writer: Callable[..., FeatureWriter]
+) -> None:
+    """The write script takes a scheduled value at the stored position when it was
+    written later (a renewal of its schedule), never an earlier one, and never an
+    unscheduled value at the same position."""
+    timed = FeatureSchema.of("clicks", {"n": "int64"}, slots=2)
+    clock = {"now": 1_000.0}
+    writer = make_writer(home, [USER, timed], clock=lambda: clock["now"])
+    now_us = int(time.time() * 1e6)
+
+    def value(n: int, later: int) -> Upsert:
+        patch = (now_us + 3_600_000_000, {"n": later})
+        return Upsert("clicks", 1, {"n": n}, Position(50), 1.0, schedule=Schedule((patch,)))
+
+    assert writer.write([value(3, 2)]) == [True]
+    clock["now"] = 900.0
+    assert writer.write([value(9, 9)]) == [False]  # written earlier: refused
+    clock["now"] = 1_100.0
+    assert writer.write([value(2, 0)]) == [True]  # the same state, renewed
+    assert writer.write([value(1, 1)]) == [False]  # same write time: refused
+    with FeatureClient("eu-west", [home], [USER, timed]) as client:
+        assert client.get("clicks", [1]).to_dicts() == [{"n": 2}]
+        later = client.get("clicks", [1], at=now_us / 1e6 + 3_601).to_dicts()
+        assert later == [{"n": 0}]
+    # Unscheduled values keep the strict rule: the same position is a redelivery.
+    assert writer.upsert("user", 9, {"a": 1.0}, Position(50), 1.0) is True
+    clock["now"] = 2_000.0
+    assert writer.upsert("user", 9, {"a": 2.0}, Position(50), 1.0) is False
