@@ -119,10 +119,11 @@ def feature_definitions(entity: EntitySettings) -> dict[str, str]:
             {"latest": latest.model_dump(mode="json", exclude={"name"})}, sort_keys=True
         )
     for agg in entity.aggregates:
-        body: dict[str, Any] = {
-            "aggregate": agg.model_dump(mode="json", exclude={"name"}),
-            "time_column": time_columns.get(agg.table),
-        }
+        declared = agg.model_dump(mode="json", exclude={"name"})
+        window = declared.get("window")
+        if window and window.get("time_zone") == "UTC":
+            del window["time_zone"]  # the default: definitions from before it stay equal
+        body: dict[str, Any] = {"aggregate": declared, "time_column": time_columns.get(agg.table)}
         text = json.dumps(body, sort_keys=True)
         for name in agg.feature_names:
             found[name] = text

@@ -8,10 +8,13 @@ import random
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from test_incremental_windows import ENGINE, T0, oracle, stream
 
 from edge_cache import Schedule
+from pipeline.featureplan import feature_definitions
 from pipeline.features import SCHEDULE_SLOTS
+from pipeline.settings import WindowSettings
 
 DAY_MS = 86_400_000
 
@@ -134,3 +137,20 @@ def test_an_entity_without_windows_has_no_schedule() -> None:
     base, schedule = ENGINE.schedule(state, T0)
     assert base["segment"] == 3 and schedule is not None and schedule.patches == ()
     assert schedule.until_us is None  # nothing will change without a new event
+
+
+def test_a_window_time_zone_is_checked_and_the_default_leaves_definitions_unchanged() -> None:
+    def window(**extra: Any) -> WindowSettings:
+        return WindowSettings.model_validate({"size": "1d", "type": "tumbling", **extra})
+
+    assert window().key == (DAY_MS, "tumbling", "UTC")
+    assert window(time_zone="Europe/London").key[2] == "Europe/London"
+    with pytest.raises(ValidationError, match="'Mars/Olympus' is not an IANA time zone"):
+        window(time_zone="Mars/Olympus")
+    with pytest.raises(ValidationError, match="applies to tumbling windows only"):
+        WindowSettings.model_validate({"size": "1h", "time_zone": "Europe/London"})
+    # A definition deployed before time zones existed still equals today's (no change
+    # to plan for every windowed feature); a zone is a changed definition.
+    definitions = feature_definitions(ENGINE.settings)
+    assert "time_zone" not in definitions["events_today"]
+    assert '"time_zone": "America/New_York"' in definitions["buys_today_new_york"]
