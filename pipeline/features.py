@@ -549,20 +549,27 @@ class EntityEngine:
         """The vector in force at ``now_ms`` and the ones it takes on later (at most
         :data:`SCHEDULE_SLOTS`; ``until_us`` is where the schedule stops being known).
         """
+        if not isinstance(state, EntityState):
+            state = EntityState(state)  # recovered from the changelog: index it once
         values = self._latest(state)
         if not self.slots:
             values.update(self._aggregates(state, None))
             return self._checked(values), None
-        base = self._checked(values | self._aggregates(state, now_ms))
-        indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
+        indexes = self._index(state)
         times: set[int] = set()
         for index in indexes.values():
             times.update(index.changes_after(now_ms, self.slots + 1))
         points = sorted(times)[: self.slots + 1]
+        # The windows move forward through the read times, each step only over the rows
+        # between two, and back once at the end.
+        vectors = [
+            self._checked(values | aggregates)
+            for aggregates in self._aggregates_at(state, [now_ms, *points[: self.slots]])
+        ]
+        base = vectors[0]
         patches: list[tuple[int, dict[str, Any]]] = []
         previous = base
-        for at in points[: self.slots]:
-            vector = self._checked(values | self._aggregates(state, at))
+        for at, vector in zip(points, vectors[1:], strict=False):
             if vector != previous:
                 patches.append((at * 1000, vector))
                 previous = vector
@@ -581,33 +588,46 @@ class EntityEngine:
         return values
 
     def _aggregates(self, state: Mapping[str, Any], at_ms: int | None) -> dict[str, Any]:
-        indexed = state if isinstance(state, EntityState) else EntityState(state)
-        indexes = self._index(indexed)
+        if at_ms is None:
+            indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
+            return self._read_aggregates(indexes, state["rows"])
+        return self._aggregates_at(state, [at_ms])[0]
+
+    def _aggregates_at(self, state: Mapping[str, Any], times: list[int]) -> list[dict[str, Any]]:
+        """The aggregates with windows read at each of ``times``."""
+        indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
         all_rows = state["rows"]
-        if at_ms is not None:
-            for table, index in indexes.items():
-                index.view(at_ms, all_rows.get(table, {}))
-        values: dict[str, Any] = {}
+        out: list[dict[str, Any]] = []
         try:
-            for agg in self.settings.aggregates:
-                names = agg.feature_names
-                read = AggregateRead(
-                    index=indexes[agg.table],
-                    rows=all_rows.get(agg.table, {}),
-                    window=agg.window.key if agg.window else None,
-                    where=self._where[agg.name],
-                    column=agg.column or "",
-                    n=len(names),
-                )
-                try:
-                    computed = agg.kind.read(read)
-                except OverflowError:  # an exact sum beyond any float
-                    computed = [None] * len(names)
-                values.update(zip(names, computed, strict=True))
-        finally:
-            if at_ms is not None:
+            for at_ms in times:
                 for table, index in indexes.items():
-                    index.restore(all_rows.get(table, {}))
+                    index.view(at_ms, all_rows.get(table, {}))
+                out.append(self._read_aggregates(indexes, all_rows))
+        finally:
+            for table, index in indexes.items():
+                index.restore(all_rows.get(table, {}))
+        return out
+
+    def _read_aggregates(
+        self, indexes: Mapping[str, TableIndex], all_rows: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The aggregates as the windows of ``indexes`` stand."""
+        values: dict[str, Any] = {}
+        for agg in self.settings.aggregates:
+            names = agg.feature_names
+            read = AggregateRead(
+                index=indexes[agg.table],
+                rows=all_rows.get(agg.table, {}),
+                window=agg.window.key if agg.window else None,
+                where=self._where[agg.name],
+                column=agg.column or "",
+                n=len(names),
+            )
+            try:
+                computed = agg.kind.read(read)
+            except OverflowError:  # an exact sum beyond any float
+                computed = [None] * len(names)
+            values.update(zip(names, computed, strict=True))
         return values
 
     def _checked(self, values: dict[str, Any]) -> dict[str, Any]:

@@ -154,3 +154,11 @@ def test_a_window_time_zone_is_checked_and_the_default_leaves_definitions_unchan
     definitions = feature_definitions(ENGINE.settings)
     assert "time_zone" not in definitions["events_today"]
     assert '"time_zone": "America/New_York"' in definitions["buys_today_new_york"]
+
+
+def test_a_state_recovered_from_the_changelog_gives_the_same_schedule() -> None:
+    state = state_of(3, 150)
+    recovered = {k: v for k, v in state.items()}  # a plain dict: no index yet
+    newest = max(e[2] for e in state["rows"]["public.events"].values())
+    for now in (newest - 5_000, newest + 9_000):
+        assert ENGINE.schedule(recovered, now) == ENGINE.schedule(state, now)
