@@ -38,7 +38,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from edge_cache import Delete, Feature, FeatureSchema, Position, Schedule, Upsert
-from pipeline.aggregates import AggregateRead
+from pipeline.aggregates import Aggregate, AggregateRead
 from pipeline.exceptions import PoisonEventError
 from pipeline.messages import MAX_TIME_MS, RegionalChange
 from pipeline.rows import DEL as _DEL
@@ -265,6 +265,16 @@ class EntityState(dict[str, Any]):
 
 
 @dataclass(frozen=True, slots=True)
+class _AggregatePlan:
+    kind: Aggregate
+    table: str
+    window: WindowKey | None
+    where: tuple[tuple[str, Any], ...]
+    column: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _TableNeeds:
     columns: tuple[str, ...]
     time_column: str | None
@@ -304,6 +314,18 @@ class EntityEngine:
                 where, GroupSpec(where)
             )
             aggregate.kind.require(group, aggregate.column or "")
+        # What reading each aggregate needs, resolved once (not per vector).
+        self._reads = [
+            _AggregatePlan(
+                a.kind,
+                a.table,
+                a.window.key if a.window else None,
+                self._where[a.name],
+                a.column or "",
+                tuple(a.feature_names),
+            )
+            for a in entity.aggregates
+        ]
         self.needs: dict[str, _TableNeeds] = {}
         for table in entity.tables:
             columns: set[str] = set()
@@ -594,40 +616,53 @@ class EntityEngine:
         return self._aggregates_at(state, [at_ms])[0]
 
     def _aggregates_at(self, state: Mapping[str, Any], times: list[int]) -> list[dict[str, Any]]:
-        """The aggregates with windows read at each of ``times``."""
+        """The aggregates with windows read at each of ``times``: after the first, only
+        the aggregates of windows whose rows changed are read again."""
         indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
         all_rows = state["rows"]
         out: list[dict[str, Any]] = []
         try:
             for at_ms in times:
+                changed: set[tuple[str, WindowKey | None]] = set()
                 for table, index in indexes.items():
-                    index.view(at_ms, all_rows.get(table, {}))
-                out.append(self._read_aggregates(indexes, all_rows))
+                    changed.update(
+                        (table, key) for key in index.view(at_ms, all_rows.get(table, {}))
+                    )
+                if not out:
+                    out.append(self._read_aggregates(indexes, all_rows))
+                else:
+                    values = dict(out[-1])
+                    values.update(self._read_aggregates(indexes, all_rows, changed))
+                    out.append(values)
         finally:
             for table, index in indexes.items():
                 index.restore(all_rows.get(table, {}))
         return out
 
     def _read_aggregates(
-        self, indexes: Mapping[str, TableIndex], all_rows: Mapping[str, Any]
+        self,
+        indexes: Mapping[str, TableIndex],
+        all_rows: Mapping[str, Any],
+        only: set[tuple[str, WindowKey | None]] | None = None,
     ) -> dict[str, Any]:
-        """The aggregates as the windows of ``indexes`` stand."""
+        """The aggregates as the windows of ``indexes`` stand (``only``: of these windows)."""
         values: dict[str, Any] = {}
-        for agg in self.settings.aggregates:
-            names = agg.feature_names
+        for plan in self._reads:
+            if only is not None and (plan.table, plan.window) not in only:
+                continue
             read = AggregateRead(
-                index=indexes[agg.table],
-                rows=all_rows.get(agg.table, {}),
-                window=agg.window.key if agg.window else None,
-                where=self._where[agg.name],
-                column=agg.column or "",
-                n=len(names),
+                index=indexes[plan.table],
+                rows=all_rows.get(plan.table, {}),
+                window=plan.window,
+                where=plan.where,
+                column=plan.column,
+                n=len(plan.names),
             )
             try:
-                computed = agg.kind.read(read)
+                computed = plan.kind.read(read)
             except OverflowError:  # an exact sum beyond any float
-                computed = [None] * len(names)
-            values.update(zip(names, computed, strict=True))
+                computed = [None] * len(plan.names)
+            values.update(zip(plan.names, computed, strict=True))
         return values
 
     def _checked(self, values: dict[str, Any]) -> dict[str, Any]:

@@ -273,9 +273,10 @@ class TableIndex:
         self.ref = ref
         self._shift(ref, rows)
 
-    def view(self, t: int, rows: Mapping[str, list[Any]]) -> None:
-        """Set the windows as read at time ``t`` (until :meth:`restore`)."""
-        self._shift(t, rows)
+    def view(self, t: int, rows: Mapping[str, list[Any]]) -> list[WindowKey | None]:
+        """Set the windows as read at time ``t`` (until :meth:`restore`); the keys of
+        the windows whose rows changed."""
+        return self._shift(t, rows)
 
     def restore(self, rows: Mapping[str, list[Any]]) -> None:
         """Set the windows back as of the newest event (where updates expect them)."""
@@ -289,14 +290,16 @@ class TableIndex:
             times.update(window.spec.changes_after(self.order, after, n))
         return sorted(times)[:n]
 
-    def _shift(self, ref: int, rows: Mapping[str, list[Any]]) -> None:
-        for window in self.windows.values():
+    def _shift(self, ref: int, rows: Mapping[str, list[Any]]) -> list[WindowKey | None]:
+        changed: list[WindowKey | None] = []
+        for key, window in self.windows.items():
             low, high = window.spec.interval(ref)
             a, b = window.low, window.high
             if (low, high) == (a, b):
                 continue
             if a >= b:  # nothing was in the window: fill it
                 a = b = high
+            moved = 0
             for start, end, sign in (
                 (a, min(b, low), -1),
                 (max(a, high), b, -1),
@@ -304,18 +307,22 @@ class TableIndex:
                 (max(low, b), high, 1),
             ):
                 if start < end:
-                    self._each(start, end, rows, window, sign)
+                    moved += self._each(start, end, rows, window, sign)
             window.low, window.high = low, high
+            if moved:
+                changed.append(key)
+        return changed
 
     def _each(
         self, start: int, end: int, rows: Mapping[str, list[Any]], window: _Window, sign: int
-    ) -> None:
+    ) -> int:
         first = bisect_left(self.order, (start,))
         last = bisect_left(self.order, (end,))
         for key in self.order[first:last]:
             entry = rows[key[4]]
             for group in window.groups.values():
                 group.update(entry, sign, key[4])
+        return last - first
 
     # -- reading ------------------------------------------------------------------------------
 
