@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -277,6 +278,50 @@ class ExporterWatch:
         self.thread.join(timeout=30)
 
 
+class Timeline:
+    """Where the time goes: each region's freshness histogram and the machine's load
+    average, read every ``step_s``, so a window's slow vectors can be placed in time."""
+
+    def __init__(self, ports: dict[str, int], step_s: float = 2.0) -> None:
+        self.ports, self.step_s = ports, step_s
+        self.points: list[tuple[float, float, dict[str, dict[float, float]]]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-timeline")
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.step_s):
+            try:
+                found = {r: freshness_buckets(port, r) for r, port in self.ports.items()}
+            except OSError:
+                continue
+            load1 = float(Path("/proc/loadavg").read_text().split()[0])
+            self.points.append((time.monotonic(), load1, found))
+
+    def window(self, start: float, end: float, region: str) -> dict[str, Any]:
+        """The slowest step of a window (its p99, and when, from the window's start),
+        and the load average's range over the window."""
+        inside = [p for p in self.points if start <= p[0] <= end]
+        worst, at = 0.0, 0.0
+        for (_t0, _l0, before), (t1, _l1, after) in itertools.pairwise(inside):
+            p99 = delta_quantiles(before[region], after[region], (0.99,))["p99_ms"]
+            if p99 == p99 and p99 > worst:  # not NaN (no vector in the step)
+                worst, at = p99, t1 - start
+        loads = [p[1] for p in inside]
+        return {
+            "worst_step_p99_ms": round(worst),
+            "worst_step_at_s": round(at, 1),
+            "load1": [min(loads, default=0.0), max(loads, default=0.0)],
+        }
+
+    def __enter__(self) -> Timeline:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
 def region_freshness(settings: Any) -> dict[str, float | None]:
     """Each region's freshness now: now minus the newest vector's commit (as the demo)."""
     import asyncio
@@ -368,12 +413,16 @@ def run_partition(
             load.seed_rows()
             for region in regions:
                 settled(ports[region], region=region)
-            with SteadyLoad(load, rate) as steady, ExporterWatch(exporter_port) as watch:
+            with (
+                SteadyLoad(load, rate) as steady,
+                ExporterWatch(exporter_port) as watch,
+                Timeline({r: ports[r] for r in others}) as timeline,
+            ):
                 time.sleep(min(10.0, window_s))  # the load reaches its steady state
                 for _ in range(rounds):
-                    start = buckets()
+                    start, calm_at = buckets(), time.monotonic()
                     time.sleep(window_s)
-                    middle = buckets()
+                    middle, calm_end = buckets(), time.monotonic()
                     calm_lookups = lookups(settings, load)  # the same bound, link up
                     wan.cut(LINK)
                     cut_at = time.monotonic()
@@ -399,12 +448,17 @@ def run_partition(
                     lag_link: dict[str, Any] = next(
                         (x for x in lag.get("links", []) if x["name"] == LINK), {}
                     )
-                    report["windows"].append(
-                        {"cut": False, "regions": window_quantiles(start, middle)}
-                    )
-                    report["windows"].append(
-                        {"cut": True, "regions": window_quantiles(middle, end)}
-                    )
+                    for is_cut, first, last, began, ended in (
+                        (False, start, middle, calm_at, calm_end),
+                        (True, middle, end, cut_at, cut_end),
+                    ):
+                        report["windows"].append(
+                            {
+                                "cut": is_cut,
+                                "regions": window_quantiles(first, last),
+                                "where": {r: timeline.window(began, ended, r) for r in others},
+                            }
+                        )
                     report["cuts"].append(
                         {
                             "cut_s": round(cut_end - cut_at, 1),
@@ -672,6 +726,12 @@ def print_partition(report: dict[str, Any], window_s: float) -> None:
             for region, q in window["regions"].items()
         ]
         print(f"  window {i + 1} ({'cut' if window['cut'] else 'no cut'}): " + "; ".join(parts))
+        for region, where in window["where"].items():
+            print(
+                f"    {region}: slowest 2 s step p99 "
+                f"{where['worst_step_p99_ms']} ms at +{where['worst_step_at_s']} s; "
+                f"load average {where['load1'][0]:.1f}-{where['load1'][1]:.1f}"
+            )
     for region, ratios in p["ratios_p99"].items():
         shown = ", ".join(f"{r:.2f}x" for r in ratios)
         print(f"  {region}: p99 cut / no cut = {shown} (target <= 1.20x)")
