@@ -484,7 +484,10 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
     others = [r for r in regions if r != "eu-west"]
     eu_users = current_homes()["eu-west"]
     link = "central-eu-west"
-    bound_s = 5.0  # the lookup client's max_staleness: shorter than the cut
+    # The lookup client's max_staleness. The cut lasts until it withholds every eu-west
+    # vector, so at least this long: longer than the forwarders' request timeout (3 s),
+    # so that the heal is followed by the re-send of timed-out batches.
+    bound_s = 5.0
     (port,) = free_ports(1)
     run.spawn_command(
         "exporter",
