@@ -283,9 +283,10 @@ class Timeline:
     """Where the time goes: each region's freshness histogram and the machine's load
     average, read every ``step_s``, so a window's slow vectors can be placed in time."""
 
-    def __init__(self, ports: dict[str, int], step_s: float = 2.0) -> None:
-        self.ports, self.step_s = ports, step_s
+    def __init__(self, ports: dict[str, int], run_dir: Path, step_s: float = 2.0) -> None:
+        self.ports, self.run_dir, self.step_s = ports, run_dir, step_s
         self.points: list[tuple[float, float, dict[str, dict[float, float]]]] = []
+        self.cpu: list[tuple[float, dict[str, float]]] = []  # (t, process -> CPU seconds)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="bench-timeline")
 
@@ -297,6 +298,16 @@ class Timeline:
                 continue
             load1 = float(Path("/proc/loadavg").read_text().split()[0])
             self.points.append((time.monotonic(), load1, found))
+            self.cpu.append((time.monotonic(), stack_cpu(self.run_dir)))
+
+    def cpu_between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds each of the stack's processes (with its children) used in a window."""
+        inside = [c for c in self.cpu if start <= c[0] <= end]
+        if len(inside) < 2:
+            return {}
+        first, last = inside[0][1], inside[-1][1]
+        used = {name: last[name] - first[name] for name in last if name in first}
+        return {name: round(v, 1) for name, v in sorted(used.items(), key=lambda kv: -kv[1])}
 
     def window(self, start: float, end: float, region: str) -> dict[str, Any]:
         """The slowest step of a window (its p99, and when, from the window's start),
@@ -321,6 +332,37 @@ class Timeline:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join(timeout=30)
+
+
+def stack_cpu(run_dir: Path) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process with a pid file in the stack's
+    run folder, its descendants included (a service may be a wrapper of its server)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, used = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid = int(stat.parent.name)
+        parent[pid] = int(fields[1])
+        used[pid] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {}
+    for path in run_dir.glob("*.pid"):
+        try:
+            root = int(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+        total, todo = 0.0, [root]
+        while todo:
+            pid = todo.pop()
+            total += used.get(pid, 0.0)
+            todo += children.get(pid, [])
+        found[path.stem] = total
+    return found
 
 
 def region_freshness(settings: Any) -> dict[str, float | None]:
@@ -418,7 +460,7 @@ def run_partition(
             with (
                 SteadyLoad(load, rate) as steady,
                 ExporterWatch(exporter_port) as watch,
-                Timeline({r: ports[r] for r in others}) as timeline,
+                Timeline({r: ports[r] for r in others}, stack.state_dir / "run") as timeline,
             ):
                 # The first minute of load is the slowest (every region, cut or not, in
                 # the first runs): the windows start once the load is steady.
@@ -461,6 +503,7 @@ def run_partition(
                                 "cut": is_cut,
                                 "regions": window_quantiles(first, last),
                                 "where": {r: timeline.window(began, ended, r) for r in others},
+                                "cpu_s": timeline.cpu_between(began, ended),
                             }
                         )
                     report["cuts"].append(
@@ -736,6 +779,8 @@ def print_partition(report: dict[str, Any], window_s: float) -> None:
             for region, q in window["regions"].items()
         ]
         print(f"  window {i + 1} ({'cut' if window['cut'] else 'no cut'}): " + "; ".join(parts))
+        top = list(window["cpu_s"].items())[:8]
+        print("    CPU seconds: " + ", ".join(f"{name} {v:.1f}" for name, v in top))
         for region, where in window["where"].items():
             print(
                 f"    {region}: slowest 2 s step p99 "
