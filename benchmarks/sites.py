@@ -9,7 +9,18 @@ the router and one regional worker, in three phases of one run on one stack:
              its forwarder with zstd-compressed batches;
     raw      the same link, the forwarder without compression;
     serial   (only when asked for) the link phase with the forwarder sending one
-             batch per round trip, as before it was pipelined.
+             batch per round trip, as before it was pipelined;
+    partition (only when asked for, and alone) every region a site behind its link
+             (eu-west 100 ms, us-east 50 ms, ap-southeast 60 ms one way), a router,
+             a forwarder and a worker per region, a steady load (500 changes/s
+             unless --rate says otherwise) and, after ``--warmup-s`` (60 s), in
+             turns, a no-cut window and a window with central <-> eu-west cut
+             (``--seconds`` each, ``--rounds`` pairs): us-east's and
+             ap-southeast's freshness p50/p99 in each window and the cut/no-cut
+             ratio, eu-west's seconds behind as the exporter and ``edgefeed lag``
+             show it, what eu-west's lookup client serves during the cut, the
+             time from the heal to caught up, and the verify result once the
+             load has stopped.
 
 Each phase has its own connector, topics and consumer groups, so none inherits
 another's backlog. For the linked phases, the bytes that crossed the link in
@@ -17,18 +28,22 @@ each direction while the load ran, per 1,000 source changes.
 
     .venv/bin/python benchmarks/sites.py             # ~4 minutes
     .venv/bin/python benchmarks/sites.py --smoke     # a short run that checks it works
+    .venv/bin/python benchmarks/sites.py --phases partition            # ~7 minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +57,12 @@ import yaml  # noqa: E402
 
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
+from edgefeed.cli.demo_sites import caught_up  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.lookup import feature_client  # noqa: E402
 from edgefeed.settings import settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
+from edgefeed.verify import verify  # noqa: E402
 from edgefeed.wan import WanControl  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_pipeline", Path(_HERE) / "pipeline.py")
@@ -54,6 +72,8 @@ _spec.loader.exec_module(bench_pipeline)
 
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 LINK = "central-eu-west"
+# The partition phase's sites: the example's one-way delays (examples/edgefeed-sites.yaml).
+SITE_DELAYS_MS = {"eu-west": 100.0, "us-east": 50.0, "ap-southeast": 60.0}
 
 
 def base_mapping(tag: str, delay_ms: float) -> dict[str, Any]:
@@ -67,6 +87,35 @@ def base_mapping(tag: str, delay_ms: float) -> dict[str, Any]:
             }
         }
     }
+    return mapping
+
+
+def partition_mapping(tag: str, delay_ms: float) -> dict[str, Any]:
+    """Every region a site of its own behind its link, each with its own Redis."""
+    mapping: dict[str, Any] = bench_pipeline.make_settings(partitions=2, tag=tag)
+    free_port = bench_pipeline.free_port
+    example = yaml.safe_load((Path(_HERE).parent / "examples" / "edgefeed.yaml").read_text())
+    mapping["regions"] = [
+        {**region, "redis_url": f"redis://127.0.0.1:{free_port()}/0", "failover": []}
+        for region in example["regions"]
+    ]
+    delays = {**SITE_DELAYS_MS, "eu-west": delay_ms}
+    mapping["sites"] = {
+        "regions": {
+            region["name"]: {
+                "bootstrap_servers": f"127.0.0.1:{free_port()}",
+                "link": {"listen_port": free_port(), "delay_ms": delays[region["name"]]},
+            }
+            for region in mapping["regions"]
+        }
+    }
+    mapping["pipeline"] = {
+        **mapping["pipeline"],
+        "app_prefix": f"bench-{tag}-partition",
+        "region_topic_prefix": f"bench.{tag}.partition",
+        "dead_letter_topic": f"bench.{tag}.partition.deadletter",
+    }
+    mapping["sources"] = [{**mapping["sources"][0], "name": f"bench_{tag}_partition"}]
     return mapping
 
 
@@ -167,9 +216,374 @@ def run_phase(
     }
 
 
-def forwarder_timings(stack: DevStack, app: str) -> dict[str, float]:
+# -- partition: central <-> eu-west cut under load, the other regions watched ----------------
+
+
+class SteadyLoad:
+    """The shop load at ``rate`` on a thread, in 2 s runs, until stopped."""
+
+    def __init__(self, load: ShopLoad, rate: float) -> None:
+        self.load, self.rate = load, rate
+        self.changes, self.seconds = 0, 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-load")
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            progress = self.load.run(self.rate, 2.0)
+            self.changes += progress.changes
+            self.seconds += progress.elapsed_s
+
+    def __enter__(self) -> SteadyLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+class ExporterWatch:
+    """Samples the exporter once a second: eu-west's seconds behind and its link's state."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.samples: list[tuple[float, float | None, float | None]] = []  # (t, behind, up)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-exporter")
+
+    def _run(self) -> None:
+        while not self.stop.wait(1.0):
+            try:
+                behind = bench_pipeline.scrape(self.port, "edgefeed_region_behind_seconds")
+                up = bench_pipeline.scrape(self.port, "edgefeed_link_up")
+            except OSError:
+                continue
+            self.samples.append(
+                (
+                    time.monotonic(),
+                    next((v for k, v in behind.items() if 'region="eu-west"' in k), None),
+                    next((v for k, v in up.items() if f'link="{LINK}"' in k), None),
+                )
+            )
+
+    def between(self, start: float, end: float) -> list[tuple[float, float | None, float | None]]:
+        return [s for s in self.samples if start <= s[0] <= end]
+
+    def __enter__(self) -> ExporterWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+class Timeline:
+    """Where the time goes: each region's freshness histogram and the machine's load
+    average, read every ``step_s``, so a window's slow vectors can be placed in time."""
+
+    def __init__(self, ports: dict[str, int], run_dir: Path, step_s: float = 2.0) -> None:
+        self.ports, self.run_dir, self.step_s = ports, run_dir, step_s
+        self.points: list[tuple[float, float, dict[str, dict[float, float]]]] = []
+        self.cpu: list[tuple[float, dict[str, float]]] = []  # (t, process -> CPU seconds)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-timeline")
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.step_s):
+            try:
+                found = {r: freshness_buckets(port, r) for r, port in self.ports.items()}
+            except OSError:
+                continue
+            load1 = float(Path("/proc/loadavg").read_text().split()[0])
+            self.points.append((time.monotonic(), load1, found))
+            self.cpu.append((time.monotonic(), stack_cpu(self.run_dir)))
+
+    def cpu_between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds each of the stack's processes (with its children) used in a window."""
+        inside = [c for c in self.cpu if start <= c[0] <= end]
+        if len(inside) < 2:
+            return {}
+        first, last = inside[0][1], inside[-1][1]
+        used = {name: last[name] - first[name] for name in last if name in first}
+        return {name: round(v, 1) for name, v in sorted(used.items(), key=lambda kv: -kv[1])}
+
+    def window(self, start: float, end: float, region: str) -> dict[str, Any]:
+        """The slowest step of a window (its p99, and when, from the window's start),
+        and the load average's range over the window."""
+        inside = [p for p in self.points if start <= p[0] <= end]
+        worst, at = 0.0, 0.0
+        for (_t0, _l0, before), (t1, _l1, after) in itertools.pairwise(inside):
+            p99 = delta_quantiles(before[region], after[region], (0.99,))["p99_ms"]
+            if p99 == p99 and p99 > worst:  # not NaN (no vector in the step)
+                worst, at = p99, t1 - start
+        loads = [p[1] for p in inside]
+        return {
+            "worst_step_p99_ms": round(worst),
+            "worst_step_at_s": round(at, 1),
+            "load1": [min(loads, default=0.0), max(loads, default=0.0)],
+        }
+
+    def __enter__(self) -> Timeline:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+def stack_cpu(run_dir: Path) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process with a pid file in the stack's
+    run folder, its descendants included (a service may be a wrapper of its server)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, used = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid = int(stat.parent.name)
+        parent[pid] = int(fields[1])
+        used[pid] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {}
+    for path in run_dir.glob("*.pid"):
+        try:
+            root = int(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+        total, todo = 0.0, [root]
+        while todo:
+            pid = todo.pop()
+            total += used.get(pid, 0.0)
+            todo += children.get(pid, [])
+        found[path.stem] = total
+    return found
+
+
+def region_freshness(settings: Any) -> dict[str, float | None]:
+    """Each region's freshness now: now minus the newest vector's commit (as the demo)."""
+    import asyncio
+
+    from edgefeed.cli.demo_sites import _freshness
+
+    return asyncio.run(_freshness(settings))
+
+
+def lag_json(settings_file: Path, state_dir: Path) -> dict[str, Any]:
+    """``edgefeed lag --json`` as an operator would run it (exit code: the severity's)."""
+    result = subprocess.run(
+        [EDGEFEED, "--settings", str(settings_file), "lag", "--json", "--samples", "1",
+         "--state-dir", str(state_dir)],
+        capture_output=True, timeout=120, check=False, text=True,
+    )  # fmt: skip
+    try:
+        report: dict[str, Any] = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        return {"error": result.stderr[-500:]}
+    return report
+
+
+def window_quantiles(
+    before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
+) -> dict[str, dict[str, float]]:
+    return {
+        region: {
+            key: round(value, 1)
+            for key, value in delta_quantiles(before[region], after[region], (0.5, 0.99)).items()
+        }
+        for region in after
+    }
+
+
+def run_partition(
+    mapping: dict[str, Any],
+    state: Path,
+    stack: DevStack,
+    rate: float,
+    window_s: float,
+    rounds: int,
+    warmup_s: float,
+) -> dict[str, Any]:
+    """No-cut and cut windows in turns under one steady load; see the module docstring."""
+    settings = settings_from_mapping(mapping)
+    settings_file = state / "edgefeed-partition.yaml"
+    settings_file.write_text(yaml.safe_dump(mapping))
+    source = settings.sources[0]
+    regions = settings.region_names
+    others = [r for r in regions if r != "eu-west"]
+    ports = {region: bench_pipeline.free_port() for region in regions}
+    exporter_port = bench_pipeline.free_port()
+    base = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run", "--loglevel", "info"]
+    wan = WanControl(stack.wan_control_path)
+    apps = ["exporter", "router", *(f"forward-{r}" for r in regions), *regions]
+    report: dict[str, Any] = {"phase": "partition", "windows": [], "cuts": []}
+
+    def buckets() -> dict[str, dict[float, float]]:
+        return {region: freshness_buckets(ports[region], region) for region in regions}
+
+    with ConnectClient(settings.connect.url, timeout_s=30) as client:
+        deploy.apply(client, settings.database, settings.sources, wait_s=120)
+        try:
+            stack.start_app(
+                "partition-router", [*base, "--role", "router"], ready="Worker]: Ready",
+                timeout_s=180,
+            )  # fmt: skip
+            for region in regions:
+                stack.start_app(
+                    f"partition-forward-{region}",
+                    [*base, "--role", "forwarder", "--region", region],
+                    ready="forwarder ready",
+                    timeout_s=180,
+                )
+                stack.start_app(
+                    f"partition-{region}",
+                    [*base, "--region", region, "--metrics-port", str(ports[region])],
+                    ready="Worker]: Ready",
+                    timeout_s=180,
+                )
+            stack.start_app(
+                "partition-exporter",
+                [EDGEFEED, "--settings", str(settings_file), "exporter", "--port",
+                 str(exporter_port), "--interval", "1", "--state-dir", str(stack.state_dir)],
+                ready="serving metrics",
+                timeout_s=120,
+            )  # fmt: skip
+            load = ShopLoad(settings.database.dsn(), regions)
+            load.seed_rows()
+            for region in regions:
+                settled(ports[region], region=region)
+            with (
+                SteadyLoad(load, rate) as steady,
+                ExporterWatch(exporter_port) as watch,
+                Timeline({r: ports[r] for r in others}, stack.state_dir / "run") as timeline,
+            ):
+                # The first minute of load is the slowest (every region, cut or not, in
+                # the first runs): the windows start once the load is steady.
+                time.sleep(warmup_s)
+                for _ in range(rounds):
+                    start, calm_at = buckets(), time.monotonic()
+                    time.sleep(window_s)
+                    middle, calm_end = buckets(), time.monotonic()
+                    calm_lookups = lookups(settings, load)  # the same bound, link up
+                    wan.cut(LINK)
+                    cut_at = time.monotonic()
+                    time.sleep(window_s)
+                    end = buckets()
+                    cut_end = time.monotonic()
+                    # What an operator and a client see at the end of the cut (the
+                    # cut window's quantiles are already taken).
+                    lag = lag_json(settings_file, stack.state_dir)
+                    stale = lookups(settings, load)
+                    wan.heal(LINK)
+                    healed_at = time.monotonic()
+                    took = None
+                    while time.monotonic() - healed_at < 300:
+                        if caught_up(region_freshness(settings), "eu-west", 2.0):
+                            took = time.monotonic() - healed_at
+                            break
+                        time.sleep(0.5)
+                    during = [b for _t, b, _up in watch.between(cut_at, healed_at) if b is not None]
+                    lag_eu: dict[str, Any] = next(
+                        (r for r in lag.get("regions", []) if r["region"] == "eu-west"), {}
+                    )
+                    lag_link: dict[str, Any] = next(
+                        (x for x in lag.get("links", []) if x["name"] == LINK), {}
+                    )
+                    for is_cut, first, last, began, ended in (
+                        (False, start, middle, calm_at, calm_end),
+                        (True, middle, end, cut_at, cut_end),
+                    ):
+                        report["windows"].append(
+                            {
+                                "cut": is_cut,
+                                "regions": window_quantiles(first, last),
+                                "where": {r: timeline.window(began, ended, r) for r in others},
+                                "cpu_s": timeline.cpu_between(began, ended),
+                            }
+                        )
+                    report["cuts"].append(
+                        {
+                            "cut_s": round(cut_end - cut_at, 1),
+                            "exporter_behind_s_max": round(max(during, default=0.0), 1),
+                            "exporter_link_up_during_cut": sorted(
+                                {
+                                    up
+                                    for _t, _b, up in watch.between(cut_at + 2, cut_end)
+                                    if up is not None
+                                }
+                            ),
+                            "lag_link_state": lag_link.get("state"),
+                            "lag_link_cut_for_s": lag_link.get("cut_for_s"),
+                            "lag_eu_west_behind_s": lag_eu.get("behind_seconds"),
+                            "lag_problems": lag.get("problems", lag.get("error")),
+                            "lookups_before_cut": calm_lookups,
+                            "lookups_at_cut_end": stale,
+                            "heal_to_caught_up_s": None if took is None else round(took, 1),
+                        }
+                    )
+                    time.sleep(5.0)  # eu-west's catch-up burst is not the next no-cut window's
+            report["rate_written"] = round(steady.changes / max(steady.seconds, 1e-9), 1)
+            report["changes"] = steady.changes
+            for region in regions:
+                settled(ports[region], region=region)
+            started = time.monotonic()
+            result = verify(settings, regions)
+            while not result.ok and time.monotonic() - started < 180:
+                time.sleep(2.0)
+                result = verify(settings, regions)
+            report["verify"] = {
+                "ok": result.ok,
+                "checked": result.checked,
+                "mismatches": len(result.mismatches),
+                "after_load_s": round(time.monotonic() - started, 1),
+            }
+            report["forwarder_batch_ms"] = {
+                region: forwarder_timings(stack, f"partition-forward-{region}", wait=False)
+                for region in regions
+            }
+        finally:
+            for app in reversed(apps):
+                stack.stop_app(f"partition-{app}")
+            client.delete(source.connector_name)
+    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+        drop_slot(conn, source.effective_slot_name)
+    cut = [w for w in report["windows"] if w["cut"]]
+    calm = [w for w in report["windows"] if not w["cut"]]
+    report["ratios_p99"] = {
+        region: [
+            round(c["regions"][region]["p99_ms"] / max(n["regions"][region]["p99_ms"], 1e-9), 2)
+            for n, c in zip(calm, cut, strict=True)
+        ]
+        for region in others
+    }
+    return report
+
+
+def lookups(settings: Any, load: ShopLoad, max_staleness_s: float = 5.0) -> dict[str, int]:
+    """eu-west's own users through eu-west's lookup client: served without a bound,
+    withheld as stale with ``max_staleness_s``."""
+    users = [u for u in range(1, load.users + 1) if load.home_region(u) == "eu-west"]
+    with feature_client(settings, "eu-west", timeout_s=5) as client:
+        plain = client.get("user", users)
+        bounded = client.get("user", users, max_staleness=max_staleness_s)
+    return {
+        "users": len(users),
+        "found": int(plain.found.sum()),
+        "found_within_bound": int(bounded.found.sum()),
+        "stale_withheld": int(bounded.stale.sum()),
+        "max_staleness_s": int(max_staleness_s),
+    }
+
+
+def forwarder_timings(stack: DevStack, app: str, wait: bool = True) -> dict[str, float]:
     """The forwarder's last logged batch timings (p50/p99 of its recent batches)."""
-    time.sleep(10.5)  # it logs them every 10 s
+    if wait:
+        time.sleep(10.5)  # it logs them every 10 s
     path = stack.log_path(f"{stack._APP_PREFIX}{app}")
     lines = [line for line in path.read_text().splitlines() if "recent batches" in line]
     if not lines:
@@ -182,13 +596,13 @@ def forwarder_timings(stack: DevStack, app: str) -> dict[str, float]:
     return found
 
 
-def freshness_buckets(port: int) -> dict[float, float]:
+def freshness_buckets(port: int, region: str = "eu-west") -> dict[float, float]:
     """The region's commit -> Redis histogram: upper bound (s) -> cumulative count."""
     samples = bench_pipeline.scrape(port, "edgefeed_pipeline_freshness_seconds_bucket")
     return {
         (float("inf") if 'le="+Inf"' in key else float(key.split('le="')[1].split('"')[0])): value
         for key, value in samples.items()
-        if 'region="eu-west"' in key
+        if f'region="{region}"' in key
     }
 
 
@@ -214,12 +628,14 @@ def delta_quantiles(
     return out
 
 
-def settled(port: int, quiet_s: float = 3.0, limit_s: float = 180.0) -> None:
+def settled(
+    port: int, quiet_s: float = 3.0, limit_s: float = 180.0, region: str = "eu-west"
+) -> None:
     """Wait until the worker has written no vector for ``quiet_s`` (it applied all it had)."""
     deadline = time.monotonic() + limit_s
     last, since = -1.0, time.monotonic()
     while time.monotonic() < deadline:
-        count = max(freshness_buckets(port).values(), default=0.0)
+        count = max(freshness_buckets(port, region).values(), default=0.0)
         if count != last:
             last, since = count, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -255,20 +671,37 @@ def drop_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a short run that checks it works")
-    parser.add_argument("--rate", type=float, default=2000.0, help="changes per second")
-    parser.add_argument("--seconds", type=float, default=30.0, help="seconds of load per phase")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="changes per second (2,000; partition: 500)"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=30.0, help="seconds of load per phase (partition: window)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="partition: no-cut/cut window pairs")
+    parser.add_argument(
+        "--warmup-s", type=float, default=60.0, help="partition: load before the first window"
+    )
     parser.add_argument("--delay-ms", type=float, default=100.0, help="one-way link delay")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument(
         "--phases", default="single,link,raw", help="which phases, comma-separated, in order"
     )
     args = parser.parse_args()
+    phases = args.phases.split(",")
+    partition = "partition" in phases
+    if partition and phases != ["partition"]:
+        # Its regions' caches are verified against every row of the source: no other
+        # phase may have written to them.
+        parser.error("the partition phase runs alone: --phases partition")
+    if args.rate is None:
+        args.rate = 500.0 if partition else 2000.0
     if args.smoke:
-        args.rate, args.seconds = 200.0, 3.0
+        args.rate, args.seconds, args.rounds = 200.0, (8.0 if partition else 3.0), 1
+        args.warmup_s = 5.0
     tag = f"{os.getpid()}"
     state = Path(tempfile.mkdtemp(prefix="edgefeed-bench-sites-"))
     state.chmod(0o755)
-    base = base_mapping(tag, args.delay_ms)
+    base = partition_mapping(tag, args.delay_ms) if partition else base_mapping(tag, args.delay_ms)
     stack = DevStack(settings_from_mapping(base), state / "stack")
     report: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
@@ -281,7 +714,13 @@ def main() -> None:
     try:
         stack.up()
         apply_schema(stack.settings.database.dsn())
-        for phase in args.phases.split(","):
+        if partition:
+            report["phases"].append(
+                run_partition(
+                    base, state, stack, args.rate, args.seconds, args.rounds, args.warmup_s
+                )
+            )
+        for phase in [] if partition else phases:
             mapping = phase_mapping(base, phase, tag)
             report["phases"].append(
                 run_phase(phase, mapping, state, stack, args.rate, args.seconds)
@@ -292,6 +731,9 @@ def main() -> None:
             shutil.rmtree(state, ignore_errors=True)
     if args.json:
         print(json.dumps(report, indent=2))
+        return
+    if partition:
+        print_partition(report, args.seconds)
         return
     print(
         f"machine: {report['machine']}; {args.rate:.0f} changes/s for {args.seconds:.0f} s a phase"
@@ -323,6 +765,48 @@ def main() -> None:
     )
     ratio = raw["link_bytes_up_per_1000_changes"] / max(link["link_bytes_up_per_1000_changes"], 1)
     print(f"zstd: {ratio:.1f}x fewer bytes up the link than none (target >= 3x)")
+
+
+def print_partition(report: dict[str, Any], window_s: float) -> None:
+    (p,) = report["phases"]
+    print(
+        f"machine: {report['machine']}; partition: {p['rate_written']:.0f} changes/s written, "
+        f"{window_s:.0f} s windows, central <-> eu-west cut in every second window"
+    )
+    for i, window in enumerate(p["windows"]):
+        parts = [
+            f"{region} p50 {q['p50_ms']:.0f} / p99 {q['p99_ms']:.0f} ms ({q['count']:.0f} vectors)"
+            for region, q in window["regions"].items()
+        ]
+        print(f"  window {i + 1} ({'cut' if window['cut'] else 'no cut'}): " + "; ".join(parts))
+        top = list(window["cpu_s"].items())[:8]
+        print("    CPU seconds: " + ", ".join(f"{name} {v:.1f}" for name, v in top))
+        for region, where in window["where"].items():
+            print(
+                f"    {region}: slowest 2 s step p99 "
+                f"{where['worst_step_p99_ms']} ms at +{where['worst_step_at_s']} s; "
+                f"load average {where['load1'][0]:.1f}-{where['load1'][1]:.1f}"
+            )
+    for region, ratios in p["ratios_p99"].items():
+        shown = ", ".join(f"{r:.2f}x" for r in ratios)
+        print(f"  {region}: p99 cut / no cut = {shown} (target <= 1.20x)")
+    for i, cut in enumerate(p["cuts"]):
+        print(
+            f"  cut {i + 1} ({cut['cut_s']:.0f} s): exporter eu-west behind max "
+            f"{cut['exporter_behind_s_max']:.1f} s, link up values "
+            f"{cut['exporter_link_up_during_cut']}; "
+            f"lag: link {cut['lag_link_state']} for {cut['lag_link_cut_for_s']} s, eu-west "
+            f"{cut['lag_eu_west_behind_s'] or 0:.1f} s behind; lookups before the cut "
+            f"{cut['lookups_before_cut']}, at its end {cut['lookups_at_cut_end']}; "
+            f"heal -> caught up {cut['heal_to_caught_up_s']} s"
+        )
+    v = p["verify"]
+    print(
+        f"  verify after the load: {'equal' if v['ok'] else 'NOT equal'} "
+        f"({sum(v['checked'].values())} vectors, {v['mismatches']} mismatches, "
+        f"{v['after_load_s']:.0f} s after the load stopped)"
+    )
+    print(f"  forwarder batches (last logged, ms): {p['forwarder_batch_ms']}")
 
 
 if __name__ == "__main__":

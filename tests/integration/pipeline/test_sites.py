@@ -16,11 +16,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psycopg
 import pytest
 import redis
@@ -33,9 +35,10 @@ from stackhelpers import REGIONS, drop_slot, free_ports, unique_name
 
 from connectors import deploy
 from connectors.client import ConnectClient
-from edge_cache import KeyLayout
+from edge_cache import FeatureClient, KeyLayout
 from edgefeed.devstack import DevStack
 from edgefeed.devstack.process import read_pid, stop_pid
+from edgefeed.lookup import feature_client
 from edgefeed.settings import settings_from_mapping
 from edgefeed.verify import verify
 from edgefeed.wan import WanControl
@@ -413,13 +416,78 @@ def test_personal_rows_stay_on_their_home_sites_broker_and_redis(seeded: SitesRu
     assert not leaks(dead, [POISON_USER])
 
 
+class SteadyEvents:
+    """Events of every region's users at a steady pace on a thread, until stopped: the
+    load a partition happens under."""
+
+    def __init__(self, run: SitesRun, per_tick: int = 6, tick_s: float = 0.2) -> None:
+        self.run, self.per_tick, self.tick_s = run, per_tick, tick_s
+        self.written = 0
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True, name="steady-events")
+
+    def _write(self) -> None:
+        homes = current_homes()
+        try:
+            with psycopg.connect(self.run.settings.database.dsn(), autocommit=True) as conn:
+                while not self.stop.wait(self.tick_s):
+                    rows = []
+                    for i in range(self.per_tick):
+                        n = self.written + i
+                        region = list(homes)[n % len(homes)]
+                        user = homes[region][(n // len(homes)) % len(homes[region])]
+                        item = ITEMS[n % len(ITEMS)]
+                        rows.append((user, item, item % 5, "3.50", region, KINDS[n % 4]))
+                    with conn.cursor() as cur:
+                        cur.executemany(
+                            f"INSERT INTO {self.run.schema}.events (user_id, item_id, "
+                            "category_id, price, home_region, kind) "
+                            "VALUES (%s, %s, %s, %s, %s, %s)",
+                            rows,
+                        )
+                    self.written += len(rows)
+        except BaseException as exc:  # re-raised by the test on stop
+            self.error = exc
+
+    def __enter__(self) -> SteadyEvents:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        if self.error is not None and exc[0] is None:
+            raise AssertionError(f"the steady load failed: {self.error!r}")
+
+
+def newest_commit(client: FeatureClient, users: list[int]) -> float:
+    """The newest source commit (epoch seconds) among the users' vectors a region serves."""
+    vectors = client.get("user", users)
+    times = vectors.commit_time[vectors.found]
+    return float(times.astype("datetime64[us]").astype(np.int64).max()) / 1e6 if len(times) else 0.0
+
+
+def served_after(client: FeatureClient, users: list[int], since: float) -> Callable[[], bool]:
+    """A check: the region serves a vector of these users committed after ``since``."""
+    return lambda: newest_commit(client, users) > since
+
+
 def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal(
     seeded: SitesRun,
 ) -> None:
+    """Under a steady load, a partition of central <-> eu-west: the other regions keep
+    receiving changes, eu-west serves its cache with the staleness visible to the
+    lookup client, `edgefeed lag` and the exporter; after the heal it catches up."""
     run = seeded
     regions = run.settings.region_names
     others = [r for r in regions if r != "eu-west"]
+    eu_users = current_homes()["eu-west"]
     link = "central-eu-west"
+    # The lookup client's max_staleness. The cut lasts until it withholds every eu-west
+    # vector, so at least this long: longer than the forwarders' request timeout (3 s),
+    # so that the heal is followed by the re-send of timed-out batches.
+    bound_s = 5.0
     (port,) = free_ports(1)
     run.spawn_command(
         "exporter",
@@ -437,45 +505,91 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
     behind = ("edgefeed_region_behind_seconds", (("link", link), ("region", "eu-west")))
     wait_for("the exporter shows the link up", lambda: scrape(port).get(link_up) == 1.0)
     wait_for("the caches agree before the cut", lambda: verified(run, regions))
-    probe = USERS["eu-west"][0]
-    with redis.Redis.from_url(run.settings.region("eu-west").redis_url) as client:
-        cached_before = {key: client.dump(key) for key in client.scan_iter(count=1000)}
-    run.wan.cut(link)
+    clients = {region: feature_client(run.settings, region, timeout_s=5) for region in regions}
+    eu = clients["eu-west"]
     try:
-        add_events(run, current_homes(), 150, seed=3)
-        took = wait_for(
-            "us-east and ap-southeast while eu-west is cut", lambda: verified(run, others)
-        )
-        print(f"other regions caught up in {took:.1f} s with eu-west cut")
-        # Nothing crosses the cut link: eu-west serves what it had, and is behind.
-        report = verify(run.settings, ["eu-west"])
-        assert not report.ok
-        assert {m.entity_id for m in report.mismatches} & {str(u) for u in USERS["eu-west"]}
-        with redis.Redis.from_url(run.settings.region("eu-west").redis_url) as client:
-            assert client.exists(*cached_before) == len(cached_before)
-        assert any(str(probe).encode() in key for key in cached_before)
-        # `edgefeed lag` and the exporter show the cut and eu-west falling behind;
-        # the other regions' links stay up.
-        lag = lag_report(run)
-        assert link_of(lag, link)["state"] == "CUT" and not link_of(lag, link)["reachable"]
-        assert lag["severity"] == "ERR"
-        assert any(p.startswith(f"link {link} CUT") for p in lag["problems"])
-        for other in others:
-            assert link_of(lag, f"central-{other}")["state"] == "UP"
-        assert region_of(lag, "eu-west")["link"] == link
-        assert (region_of(lag, "eu-west")["behind_seconds"] or 0) > 0
-        seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        with SteadyEvents(run) as load:
+            # Before the cut, eu-west's vectors are fresh within the bound: the bound
+            # withholding them later is the cut's doing.
+            wait_for(
+                "eu-west serves its users within the bound before the cut",
+                lambda: bool(eu.get("user", eu_users, max_staleness=bound_s).found.all()),
+            )
+            run.wan.cut(link)
+            cut_at = time.time()
+            try:
+                # Nothing committed after the cut reaches eu-west; the others keep
+                # receiving the changes committed after it began.
+                for other in others:
+                    users = current_homes()[other]
+                    wait_for(
+                        f"{other} serves changes committed after the cut began",
+                        served_after(clients[other], users, cut_at),
+                    )
+                # eu-west serves what it had; with max_staleness its client withholds it.
+                served = eu.get("user", eu_users)
+                assert served.found.all(), "eu-west stopped serving its cached vectors"
+                assert newest_commit(eu, eu_users) < cut_at
+                wait_for(
+                    f"eu-west's client withholds vectors older than {bound_s} s",
+                    lambda: bool(eu.get("user", eu_users, max_staleness=bound_s).stale.all()),
+                )
+                bounded = eu.get("user", eu_users, max_staleness=bound_s)
+                assert not bounded.found.any() and bounded.stale.all()
+                report = verify(run.settings, ["eu-west"])
+                assert not report.ok
+                assert {m.entity_id for m in report.mismatches} & {str(u) for u in eu_users}
+                # `edgefeed lag` marks the link cut and eu-west behind, further each time.
+                first = lag_report(run)
+                assert link_of(first, link)["state"] == "CUT"
+                assert not link_of(first, link)["reachable"]
+                assert first["severity"] == "ERR"
+                assert any(p.startswith(f"link {link} CUT") for p in first["problems"])
+                for other in others:
+                    assert link_of(first, f"central-{other}")["state"] == "UP"
+                assert region_of(first, "eu-west")["link"] == link
+                behind_first = region_of(first, "eu-west")["behind_seconds"] or 0.0
+                assert behind_first > 0
+                later: dict[str, Any] = {}
 
-        def exporter_shows_the_cut() -> bool:
-            seen.update(scrape(port))
-            return seen.get(link_up) == 0.0 and seen.get(behind, 0.0) > 0
+                def lag_grows() -> bool:
+                    later.update(lag_report(run))
+                    return (region_of(later, "eu-west")["behind_seconds"] or 0.0) > behind_first
 
-        wait_for("the exporter shows the cut and eu-west behind", exporter_shows_the_cut, 60)
+                wait_for("eu-west further behind in a later `edgefeed lag`", lag_grows, 60)
+                assert link_of(later, link)["state"] == "CUT"
+                seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+                def exporter_shows_the_cut() -> bool:
+                    seen.update(scrape(port))
+                    return seen.get(link_up) == 0.0 and seen.get(behind, 0.0) > 0
+
+                wait_for(
+                    "the exporter shows the cut and eu-west behind", exporter_shows_the_cut, 60
+                )
+                # Still receiving, late in the cut too.
+                still = time.time()
+                for other in others:
+                    users = current_homes()[other]
+                    wait_for(
+                        f"{other} still receiving late in the cut",
+                        served_after(clients[other], users, still),
+                    )
+            finally:
+                healed = run.wan.heal(link)
+            healed_at = time.time()
+            print(f"cut for {healed_at - cut_at:.1f} s under {load.written} events; link: {healed}")
+            took = wait_for(
+                "eu-west serves changes committed after the heal",
+                lambda: newest_commit(eu, eu_users) > healed_at,
+            )
+            print(f"eu-west past the heal's changes {took:.1f} s after the heal")
     finally:
-        healed = run.wan.heal(link)
-    caught_up = wait_for("eu-west after the heal", lambda: verified(run, ["eu-west"]))
-    print(f"eu-west caught up {caught_up:.1f} s after the heal; link: {healed}")
-    assert verify(run.settings, regions).ok  # no loss, no double count anywhere
+        for client in clients.values():
+            client.close()
+    # The load has stopped: every region equals a recomputation (no loss, no double count).
+    caught_up = wait_for("every region after the heal", lambda: verified(run, regions))
+    print(f"every region verified {caught_up:.1f} s after the load stopped")
     # They recover: the link is up again and eu-west is no longer behind.
     lag = lag_report(run)
     assert link_of(lag, link)["state"] == "UP" and link_of(lag, link)["cut_for_s"] is None
