@@ -314,6 +314,7 @@ class EntityEngine:
                 where, GroupSpec(where)
             )
             aggregate.kind.require(group, aggregate.column or "")
+        self._dtypes = {feature.name: feature.dtype for feature in self.schema.features}
         # What reading each aggregate needs, resolved once (not per vector).
         self._reads = [
             _AggregatePlan(
@@ -349,7 +350,9 @@ class EntityEngine:
                     elif dtype is not None:
                         dtypes.setdefault(agg.column, dtype)
                 if agg.window is not None:
-                    windows.append(agg.window.size_ms)
+                    # A zone's day can last 25 hours: its bucket can start an hour earlier.
+                    slack = 3_600_000 if agg.window.time_zone != "UTC" else 0
+                    windows.append(agg.window.size_ms + slack)
                 keep_last = max(keep_last, agg.kind.keep_last(agg))
             time_column = entity.time_columns.get(table)
             if time_column:
@@ -532,6 +535,12 @@ class EntityEngine:
             cut = [pk for pk, entry in newest if entry[_T] < horizon and pk not in keep]
             if isinstance(state, EntityState):
                 state.changed.update((table, chunk_of(rows[pk][_T])) for pk in cut)
+            if cut and isinstance(state, EntityState) and state.index is not None:
+                standing = state.index.get(table)
+                if standing is not None and standing.at is not None and standing.at < ref:
+                    standing.restore(
+                        rows
+                    )  # a read time before the newest event: cut rows may be in
             for pk in cut:
                 del rows[pk]
             marks[table] = 2 * len(rows)
@@ -584,9 +593,10 @@ class EntityEngine:
         points = sorted(times)[: self.slots + 1]
         # The windows move forward through the read times, each step only over the rows
         # between two, and back once at the end.
+        self._checked(values)
         vectors = [
-            self._checked(values | aggregates)
-            for aggregates in self._aggregates_at(state, [now_ms, *points[: self.slots]])
+            values | aggregates
+            for aggregates in self._aggregates_at(state, [now_ms, *points[: self.slots]], stay=True)
         ]
         base = vectors[0]
         patches: list[tuple[int, dict[str, Any]]] = []
@@ -612,12 +622,19 @@ class EntityEngine:
     def _aggregates(self, state: Mapping[str, Any], at_ms: int | None) -> dict[str, Any]:
         if at_ms is None:
             indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
+            for table, index in indexes.items():
+                if index.at is not None:  # standing at a read time: back to the newest event
+                    index.restore(state["rows"].get(table, {}))
             return self._read_aggregates(indexes, state["rows"])
         return self._aggregates_at(state, [at_ms])[0]
 
-    def _aggregates_at(self, state: Mapping[str, Any], times: list[int]) -> list[dict[str, Any]]:
+    def _aggregates_at(
+        self, state: Mapping[str, Any], times: list[int], *, stay: bool = False
+    ) -> list[dict[str, Any]]:
         """The aggregates with windows read at each of ``times``: after the first, only
-        the aggregates of windows whose rows changed are read again."""
+        the aggregates of windows whose rows changed are read again. The windows then
+        go back to the newest event, or with ``stay`` to ``times[0]`` (the next
+        schedule starts near there: moving is cheap when little lies between)."""
         indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
         all_rows = state["rows"]
         out: list[dict[str, Any]] = []
@@ -629,14 +646,17 @@ class EntityEngine:
                         (table, key) for key in index.view(at_ms, all_rows.get(table, {}))
                     )
                 if not out:
-                    out.append(self._read_aggregates(indexes, all_rows))
+                    out.append(self._checked(self._read_aggregates(indexes, all_rows)))
                 else:
                     values = dict(out[-1])
-                    values.update(self._read_aggregates(indexes, all_rows, changed))
+                    values.update(self._checked(self._read_aggregates(indexes, all_rows, changed)))
                     out.append(values)
         finally:
             for table, index in indexes.items():
-                index.restore(all_rows.get(table, {}))
+                if stay and out:
+                    index.view(times[0], all_rows.get(table, {}))
+                else:
+                    index.restore(all_rows.get(table, {}))
         return out
 
     def _read_aggregates(
@@ -666,9 +686,11 @@ class EntityEngine:
         return values
 
     def _checked(self, values: dict[str, Any]) -> dict[str, Any]:
-        for feature in self.schema.features:  # what its dtype cannot hold is missing
-            if not _fits(feature.dtype, values.get(feature.name)):
-                values[feature.name] = None
+        """``values`` with what its feature's dtype cannot hold set missing."""
+        dtypes = self._dtypes
+        for name, value in values.items():
+            if value is not None and not _fits(dtypes[name], value):
+                values[name] = None
         return values
 
     def write_op(

@@ -224,11 +224,13 @@ class TableIndex:
         rows: The table's rows in the state (pk -> entry); indexed as they are.
     """
 
-    __slots__ = ("order", "ref", "windows")
+    __slots__ = ("at", "order", "ref", "windows")
 
     def __init__(self, windows: Sequence[WindowSpec], rows: Mapping[str, list[Any]]) -> None:
         self.windows = {spec.key: _Window(spec) for spec in windows}
         self.ref: int | None = max((e[_T] for e in rows.values()), default=None)
+        # The read time the windows stand at (:meth:`view`); None: the newest event.
+        self.at: int | None = None
         for window in self.windows.values():
             window.low, window.high = window.spec.interval(self.ref)
         # (event time, lsn, seq, key rank, key): time order, ties by position, then key.
@@ -269,17 +271,22 @@ class TableIndex:
         ]
 
     def _move(self, ref: int, rows: Mapping[str, list[Any]]) -> None:
-        """The newest event time became ``ref``: rows leave and enter the windows."""
+        """The newest event time became ``ref``: rows leave and enter the windows (unless
+        they stand at a read time, where they stay)."""
         self.ref = ref
-        self._shift(ref, rows)
+        if self.at is None:
+            self._shift(ref, rows)
 
     def view(self, t: int, rows: Mapping[str, list[Any]]) -> list[WindowKey | None]:
-        """Set the windows as read at time ``t`` (until :meth:`restore`); the keys of
-        the windows whose rows changed."""
+        """Set the windows as read at time ``t`` (they stay there, changes applied as
+        of then, until the next view or :meth:`restore`); the keys of the windows
+        whose rows changed."""
+        self.at = t
         return self._shift(t, rows)
 
     def restore(self, rows: Mapping[str, list[Any]]) -> None:
-        """Set the windows back as of the newest event (where updates expect them)."""
+        """Set the windows back as of the newest event."""
+        self.at = None
         if self.ref is not None:
             self._shift(self.ref, rows)
 
