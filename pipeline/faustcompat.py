@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import faust
 import orjson
 from faust.serializers import codecs
+
+from pipeline.statestore import EPOCH_HEADER, ChangelogFence
 
 __all__ = [
     "STATE_CODEC",
@@ -22,8 +24,10 @@ __all__ = [
     "FetchWait",
     "PartitionWriter",
     "StuckHeads",
+    "fence_recovery",
     "patch_fetch_wait",
     "patch_strict_commits",
+    "record_epoch",
     "register_state_codec",
     "relieve_producer",
     "use_state_codec",
@@ -198,9 +202,19 @@ class PartitionWriter(MutableMapping[str, Any]):
     ``send_changelog``.
     """
 
-    def __init__(self, table: Any, partition: int, sent: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        table: Any,
+        partition: int,
+        sent: list[Any] | None = None,
+        epoch: int | None = None,
+    ) -> None:
         self.table = table
         self.partition = partition
+        # The owner epoch (pipeline.statestore), sent as a header of every record;
+        # Faust's send_changelog takes no headers, so those records go through the
+        # changelog topic's send_soon with the arguments send_changelog passes.
+        self.epoch = epoch
         # The records' futures, resolved once the broker acknowledged each one: Faust's
         # own producer flush may return with records still queued (see
         # wait_delivered), so a checkpoint waits for these.
@@ -211,12 +225,26 @@ class PartitionWriter(MutableMapping[str, Any]):
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.table.data[key] = value
-        self.sent.append(self.table.send_changelog(self.partition, key, value))
+        self.sent.append(self._send(key, value))
 
     def __delitem__(self, key: str) -> None:
         del self.table.data[key]
-        self.sent.append(
-            self.table.send_changelog(self.partition, key, None, value_serializer="raw")
+        self.sent.append(self._send(key, None, value_serializer="raw"))
+
+    def _send(self, key: str, value: Any, value_serializer: Any = None) -> Any:
+        if self.epoch is None:
+            return self.table.send_changelog(
+                self.partition, key, value, value_serializer=value_serializer
+            )
+        return self.table.changelog_topic.send_soon(
+            key=key,
+            value=value,
+            partition=self.partition,
+            headers={EPOCH_HEADER: str(self.epoch).encode()},
+            key_serializer=self.table.key_serializer,
+            value_serializer=value_serializer or self.table.value_serializer,
+            callback=self.table._on_changelog_sent,
+            eager_partitioning=True,
         )
 
     def __contains__(self, key: object) -> bool:
@@ -341,3 +369,33 @@ class StuckHeads:
         self.since.clear()
         self.reseeks += 1
         await consumer.perform_seek()
+
+
+def record_epoch(event: Any) -> int | None:
+    """The owner epoch of a changelog record read in a recovery (None: no header)."""
+    headers = getattr(event, "headers", None) or getattr(event.message, "headers", None)
+    if not headers:
+        return None
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    for name, value in items:
+        if name == EPOCH_HEADER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def fence_recovery(table: Any, fence: ChangelogFence) -> None:
+    """Make ``table``'s recovery skip the records a fenced owner wrote late.
+
+    Faust's recovery applies changelog records with ``Table.apply_changelog_batch``,
+    last record per key wins. This filters each batch through ``fence`` first
+    (pipeline.statestore: owner epochs), keeping the partition order.
+    """
+    apply = table.apply_changelog_batch
+
+    def apply_fenced(batch: Iterable[Any]) -> None:
+        apply([e for e in batch if fence.admit(e.message.partition, record_epoch(e))])
+
+    table.apply_changelog_batch = apply_fenced
