@@ -35,6 +35,8 @@ from pipeline.faustcompat import (
     StuckHeads,
     fence_recovery,
     patch_fetch_wait,
+    patch_recovery_handover,
+    patch_seek_every_partition,
     patch_strict_commits,
     relieve_producer,
     use_state_codec,
@@ -65,6 +67,9 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     """A Faust app with the pipeline's Kafka and timing settings."""
     kafka, pipeline = config.kafka, config.pipeline
     patch_fetch_wait(kafka.fetch_max_wait_ms)
+    # A rebalance must read again every message it cleared from the streams.
+    patch_recovery_handover()
+    patch_seek_every_partition()
     session_s = kafka.session_timeout_ms / 1000.0
     options: dict[str, Any] = {
         "broker": [f"kafka://{server}" for server in kafka.bootstrap_servers],
