@@ -91,7 +91,13 @@ def test_home_region_moves_leave_nothing_where_the_user_does_not_live(
             lambda u=user: (vector(run, "eu-west", "user", u) or {}).get("views_30m") == 2,  # type: ignore[misc]
             timeout_s=180,
         )
-    assert rows_left(run, "eu-west", 3004)  # its events are in eu-west's changelog
+    # Its events reach eu-west's changelog at the worker's next checkpoint, after the
+    # cache write the vectors above show.
+    wait_for(
+        "user 3004's rows in eu-west's changelog",
+        lambda: bool(rows_left(run, "eu-west", 3004)),
+        timeout_s=120,
+    )
 
     sql(run, "UPDATE {s}.users SET home_region = 'us-east' WHERE user_id = 3001")
     wait_for(
