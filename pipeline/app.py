@@ -33,7 +33,10 @@ from pipeline.faustcompat import (
     FetchWait,
     PartitionWriter,
     StuckHeads,
+    fence_recovery,
     patch_fetch_wait,
+    patch_recovery_handover,
+    patch_seek_every_partition,
     patch_strict_commits,
     relieve_producer,
     use_state_codec,
@@ -41,12 +44,19 @@ from pipeline.faustcompat import (
 )
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
+from pipeline.homes import HomeBook
 from pipeline.messages import encode_packs
 from pipeline.metrics import PipelineMetrics
-from pipeline.names import STATE_TABLE
+from pipeline.names import HOMES_TABLE, STATE_TABLE
 from pipeline.routing import Router
 from pipeline.runtime import BatchPolicy, Delivery, QuietBatches, RegionRuntime
-from pipeline.statestore import checkpoint_key, rebuild_states, store_state
+from pipeline.statestore import (
+    ChangelogFence,
+    checkpoint_key,
+    fence_key,
+    rebuild_states,
+    store_state,
+)
 
 __all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
 
@@ -57,6 +67,9 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     """A Faust app with the pipeline's Kafka and timing settings."""
     kafka, pipeline = config.kafka, config.pipeline
     patch_fetch_wait(kafka.fetch_max_wait_ms)
+    # A rebalance must read again every message it cleared from the streams.
+    patch_recovery_handover()
+    patch_seek_every_partition()
     session_s = kafka.session_timeout_ms / 1000.0
     options: dict[str, Any] = {
         "broker": [f"kafka://{server}" for server in kafka.bootstrap_servers],
@@ -134,7 +147,13 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
     app = faust_app(app_id, config)
     fetch_wait: FetchWait = app.edgefeed_fetch_wait  # type: ignore[attr-defined]
     measured = _metrics(metrics)
-    router = Router(config.entities, config.tables, config.region_names)
+    # The book of entity homes (pipeline.homes) lives in a table of one partition,
+    # recovered from its changelog before the agent routes anything: one router
+    # process holds every home (a second router would see only part of them).
+    homes = app.Table(HOMES_TABLE, partitions=1, key_type=str)
+    home_sent: list[Any] = []
+    home_records = PartitionWriter(homes, 0, home_sent)
+    router = Router(config.entities, config.tables, config.region_names, HomeBook(home_records))
     batch_max, within = config.pipeline.batch_max, config.pipeline.batch_within_ms / 1000.0
     partitions = config.pipeline.partitions
     source = app.topic(*config.fed_topics(), key_serializer="raw", value_serializer="raw")
@@ -164,60 +183,74 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
         # owns whole entities.
         return int(partitioner(key.encode(), all_partitions, all_partitions))
 
+    async def dead_letter(event: Any, change: Change | None, exc: Exception) -> None:
+        """One source event to the dead letters, keeping residency."""
+        msg = event.message
+        # PoisonEventError for bad events; anything else is a bug met by this event,
+        # which goes to the dead letters instead of crashing the agent (Faust would
+        # restart it and ack the batch, losing it).
+        if not isinstance(exc, PoisonEventError):
+            log.exception("router failed on %s@%s", msg.partition, msg.offset)
+            exc = PoisonEventError("router-error", f"{type(exc).__name__}: {exc}")
+        measured.dead_letters.labels(app_id, exc.reason).inc()
+        log.warning("dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc)
+        headers = _dead_letter_headers(
+            exc.reason, str(exc), "router", str(msg.topic), msg.partition, msg.offset
+        )
+        column = home_columns.get(str(msg.topic))
+        if column is None:  # shared data: the central dead letters
+            await dead.send(key=event.key, value=event.value, headers=headers)
+            return
+        home = _home_of(change, column)
+        if home in regional_dead:  # personal data stays in its region
+            await regional_dead[home].send(key=event.key, value=event.value, headers=headers)
+            return
+        # Personal data of no known region: a pointer to the source record, never
+        # the row itself (nor an error text quoting it).
+        headers["edgefeed-withheld"] = b"personal row of an unknown region"
+        headers["edgefeed-error"] = exc.reason.encode()
+        pointer = orjson.dumps(
+            {
+                "withheld": "personal row of an unknown region",
+                "reason": exc.reason,
+                "topic": str(msg.topic),
+                "partition": msg.partition,
+                "offset": msg.offset,
+            }
+        )
+        await dead.send(key=None, value=pointer, headers=headers)
+
     async def route_batch(events: list[Any]) -> None:
         """Route one batch of source events, then ack them (after their sends)."""
         batch_sizes.observe(len(events))
-        # (region, partition) -> the encoded changes bound there, in source order.
+        # (region, partition) -> the encoded changes bound there, in routing order.
         packs: dict[tuple[str, int], list[bytes]] = {}
+        decoded: list[tuple[Any, Change]] = []
         for event in events:
-            msg = event.message
-            change = None
             try:
-                change = decode_change(event.value or b"", offset=msg.offset)
-                if change is None:
-                    tombstones.inc()
-                    continue
-                if change.snapshot == "incremental":
-                    measured.snapshot_rows.labels(change.table).inc()
+                change = decode_change(event.value or b"", offset=event.message.offset)
+            except Exception as exc:
+                await dead_letter(event, None, exc)
+                continue
+            if change is None:
+                tombstones.inc()
+                continue
+            if change.snapshot == "incremental":
+                measured.snapshot_rows.labels(change.table).inc()
+            decoded.append((event, change))
+        # In commit order across the batch's topics (each topic is in order already):
+        # a user's move and the events after it route in the order they were made,
+        # as far as one batch holds both (the Debezium topics are not ordered with
+        # one another; docs/pipeline.md, "Residency").
+        decoded.sort(key=lambda pair: pair[1].lsn)
+        for event, change in decoded:
+            try:
                 # Encoded before anything is queued: a change that cannot be
                 # encoded is dead-lettered whole, never half-routed.
                 bound = [(m, m.change.encode()) for m in router.route(change)]
             except Exception as exc:
-                # PoisonEventError for bad events; anything else is a bug met by
-                # this event, which goes to the dead letters instead of crashing
-                # the agent (Faust would restart it and ack the batch, losing it).
-                if not isinstance(exc, PoisonEventError):
-                    log.exception("router failed on %s@%s", msg.partition, msg.offset)
-                    exc = PoisonEventError("router-error", f"{type(exc).__name__}: {exc}")
-                measured.dead_letters.labels(app_id, exc.reason).inc()
-                log.warning("dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc)
-                headers = _dead_letter_headers(
-                    exc.reason, str(exc), "router", str(msg.topic), msg.partition, msg.offset
-                )
-                column = home_columns.get(str(msg.topic))
-                if column is None:  # shared data: the central dead letters
-                    await dead.send(key=event.key, value=event.value, headers=headers)
-                    continue
-                home = _home_of(change, column)
-                if home in regional_dead:  # personal data stays in its region
-                    await regional_dead[home].send(
-                        key=event.key, value=event.value, headers=headers
-                    )
-                    continue
-                # Personal data of no known region: a pointer to the source
-                # record, never the row itself (nor an error text quoting it).
-                headers["edgefeed-withheld"] = b"personal row of an unknown region"
-                headers["edgefeed-error"] = exc.reason.encode()
-                pointer = orjson.dumps(
-                    {
-                        "withheld": "personal row of an unknown region",
-                        "reason": exc.reason,
-                        "topic": str(msg.topic),
-                        "partition": msg.partition,
-                        "offset": msg.offset,
-                    }
-                )
-                await dead.send(key=None, value=pointer, headers=headers)
+                router.homes.rollback()  # the moves it decided are never sent
+                await dead_letter(event, change, exc)
                 continue
             if not bound:
                 ignored_events.inc()
@@ -228,9 +261,22 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
                 for partition in targets:  # a truncate reaches every partition
                     packs.setdefault((message.region, partition), []).append(body)
             routed_events.inc()
+        sent: list[Any] = []
         for (region_name, partition), bodies in packs.items():
             for pack in encode_packs(bodies):
-                await outputs[region_name].send(value=pack, partition=partition)
+                sent.append(await outputs[region_name].send(value=pack, partition=partition))
+        if router.homes.pending:
+            # A home changed (a move, a new entity): its record is written only once
+            # the regional messages it decided (the evictions) are delivered, and the
+            # batch is acked only once the record is: a router that dies in between
+            # routes the batch again with the old homes and evicts again.
+            await wait_delivered(app, sent)
+            router.homes.flush()
+            await wait_delivered(app, home_sent)
+            # Closed by a lone record, as the regional changelogs are (Tansu reports a
+            # partition's end as the start of its last batch; _FaustChangelog.close).
+            home_records[checkpoint_key(0)] = {"at_ms": int(time.time() * 1000)}
+            await wait_delivered(app, home_sent)
         for event in events:
             await acker.stream.ack(event)
 
@@ -352,10 +398,23 @@ class _FaustChangelog:
     def __init__(self, app: faust.App, table: Any) -> None:
         self.app, self.table = app, table
         self.sent: list[Any] = []  # this checkpoint's records, until the broker has them
+        self.fence = ChangelogFence()  # read by the table's recovery (fence_recovery)
+        self.epochs: dict[int, int] = {}  # partition -> the epoch this worker owns it in
+        fence_recovery(table, self.fence)
+
+    def writer(self, partition: int) -> PartitionWriter:
+        return PartitionWriter(self.table, partition, self.sent, self.epochs.get(partition))
+
+    async def own(self, partitions: Sequence[int]) -> None:
+        """After a recovery: open a new owner epoch on each partition now ours."""
+        for partition in partitions:
+            self.epochs[partition] = epoch = self.fence.next_epoch(partition)
+            self.writer(partition)[fence_key(partition)] = {"epoch": epoch}
+        await wait_delivered(self.app, self.sent)
 
     def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
         # The records go to the partition its entity's messages use.
-        store_state(PartitionWriter(self.table, delivery.partition, self.sent), key, state)
+        store_state(self.writer(delivery.partition), key, state)
 
     async def relieve(self) -> None:
         await relieve_producer(self.app)
@@ -368,9 +427,7 @@ class _FaustChangelog:
         # restart. Harmless on Kafka.
         await wait_delivered(self.app, self.sent)
         for partition in partitions:
-            PartitionWriter(self.table, partition, self.sent)[checkpoint_key(partition)] = {
-                "at_ms": int(time.time() * 1000)
-            }
+            self.writer(partition)[checkpoint_key(partition)] = {"at_ms": int(time.time() * 1000)}
         await wait_delivered(self.app, self.sent)
 
 
@@ -425,13 +482,14 @@ def build_region_app(
 
     acker = _FaustAcker()
     pipeline = config.pipeline
+    changelog = _FaustChangelog(app, state)
     runtime = RegionRuntime(
         region=region_name,
         app_id=app_id,
         engine=engine,
         partition_of=partition_of,
         cache=_FaustCache(region, engine, f"{app_id}:{uuid.uuid4().hex[:12]}"),
-        changelog=_FaustChangelog(app, state),
+        changelog=changelog,
         dead_letters=_FaustDeadLetters(dead, region_name),
         acker=acker,
         metrics=_metrics(metrics),
@@ -448,6 +506,11 @@ def build_region_app(
         topic = changes.get_topic_name()
         ours = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
         runtime.recovered(rebuild_states(state.items(), lambda key: partition_of(key) in ours))
+        # Before anything is processed: a new epoch on each partition, so that a late
+        # checkpoint of a previous owner (out of the group, still running) is ignored
+        # by every later recovery (pipeline.statestore, "Owner epochs").
+        changelog.fence.keep(ours)  # Faust's memory store dropped the others' records
+        await changelog.own(sorted(ours))
         log.info("recovered %d entity states for partitions %s", len(runtime.live), sorted(ours))
 
     @app.agent(changes, name="features")

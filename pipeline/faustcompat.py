@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import faust
 import orjson
 from faust.serializers import codecs
+
+from pipeline.statestore import EPOCH_HEADER, ChangelogFence
 
 __all__ = [
     "STATE_CODEC",
@@ -22,10 +24,15 @@ __all__ = [
     "FetchWait",
     "PartitionWriter",
     "StuckHeads",
+    "fence_recovery",
     "patch_fetch_wait",
+    "patch_recovery_handover",
+    "patch_seek_every_partition",
     "patch_strict_commits",
+    "record_epoch",
     "register_state_codec",
     "relieve_producer",
+    "seek_every_partition",
     "use_state_codec",
     "wait_delivered",
 ]
@@ -198,9 +205,19 @@ class PartitionWriter(MutableMapping[str, Any]):
     ``send_changelog``.
     """
 
-    def __init__(self, table: Any, partition: int, sent: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        table: Any,
+        partition: int,
+        sent: list[Any] | None = None,
+        epoch: int | None = None,
+    ) -> None:
         self.table = table
         self.partition = partition
+        # The owner epoch (pipeline.statestore), sent as a header of every record;
+        # Faust's send_changelog takes no headers, so those records go through the
+        # changelog topic's send_soon with the arguments send_changelog passes.
+        self.epoch = epoch
         # The records' futures, resolved once the broker acknowledged each one: Faust's
         # own producer flush may return with records still queued (see
         # wait_delivered), so a checkpoint waits for these.
@@ -211,12 +228,26 @@ class PartitionWriter(MutableMapping[str, Any]):
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.table.data[key] = value
-        self.sent.append(self.table.send_changelog(self.partition, key, value))
+        self.sent.append(self._send(key, value))
 
     def __delitem__(self, key: str) -> None:
         del self.table.data[key]
-        self.sent.append(
-            self.table.send_changelog(self.partition, key, None, value_serializer="raw")
+        self.sent.append(self._send(key, None, value_serializer="raw"))
+
+    def _send(self, key: str, value: Any, value_serializer: Any = None) -> Any:
+        if self.epoch is None:
+            return self.table.send_changelog(
+                self.partition, key, value, value_serializer=value_serializer
+            )
+        return self.table.changelog_topic.send_soon(
+            key=key,
+            value=value,
+            partition=self.partition,
+            headers={EPOCH_HEADER: str(self.epoch).encode()},
+            key_serializer=self.table.key_serializer,
+            value_serializer=value_serializer or self.table.value_serializer,
+            callback=self.table._on_changelog_sent,
+            eager_partitioning=True,
         )
 
     def __contains__(self, key: object) -> bool:
@@ -227,6 +258,91 @@ class PartitionWriter(MutableMapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.table.data)
+
+
+def patch_recovery_handover() -> None:
+    """Deliver no stream message between a recovery's end and its seek.
+
+    Faust 0.15.3 ends a recovery (``Recovery.on_recovery_completed``) with: the
+    tables' recovery callbacks, ``resume_partitions`` of the stream partitions,
+    ``perform_seek`` (to the committed offsets), then ``flow_control.resume()``,
+    which clears every stream queue, and ``resume_flow``. When the changelog had
+    anything to read, the fetcher runs from the recovery on, so messages fetched
+    while ``perform_seek`` awaits the broker went into a stream queue with their
+    read offsets recorded, and the clear threw them away: a partition with a
+    committed offset read them again but dropped the older ones as already read
+    (``DROPPED MESSAGE ROFF``), a partition without one (before the worker's first
+    commit) was not sought at all and lost them. Seen as a regional worker killed
+    -9 before its first commit that, restarted, never processed the pack at offset
+    0 of a partition (test_hostile_values_are_dead_lettered_and_never_crash_a_region).
+
+    Patched, the consumer's flow is stopped when the recovery ends, before the
+    callbacks; the recovery's own ``resume_flow`` starts it again after the seek and
+    the clear (a recovery cut short by a new rebalance leaves it to the next one,
+    which resumes the flow itself). Once per process.
+    """
+    from faust.tables.recovery import Recovery
+
+    recovery_class: Any = Recovery
+    if getattr(recovery_class, "_edgefeed_handover", False):
+        return
+    recovery_class._edgefeed_original_on_recovery_completed = recovery_class.on_recovery_completed
+
+    async def on_recovery_completed(self: Any, generation_id: int = 0) -> None:
+        self.app.consumer.stop_flow()
+        await recovery_class._edgefeed_original_on_recovery_completed(self, generation_id)
+
+    recovery_class.on_recovery_completed = on_recovery_completed
+    recovery_class._edgefeed_handover = True
+
+
+async def seek_every_partition(consumer: Any) -> dict[Any, int | None]:
+    """``consumer.seek_to_committed()`` (an aiokafka consumer) for every assigned
+    partition: those without a committed offset go to the reset position
+    (``auto_offset_reset``), those committed at 0 to 0. Returns the committed offsets
+    as aiokafka does (None: none)."""
+    from aiokafka.consumer.fetcher import OffsetResetStrategy
+
+    committed: dict[Any, int | None] = await consumer.seek_to_committed()
+    for tp, offset in committed.items():
+        if offset == 0:
+            consumer.seek(tp, 0)
+    unknown = [tp for tp, offset in committed.items() if offset is None or offset < 0]
+    if unknown:
+        strategy = consumer._fetcher._default_reset_strategy
+        if strategy == OffsetResetStrategy.EARLIEST:
+            await consumer.seek_to_beginning(*unknown)
+        elif strategy == OffsetResetStrategy.LATEST:
+            await consumer.seek_to_end(*unknown)
+    return committed
+
+
+def patch_seek_every_partition() -> None:
+    """Make Faust's seek to the committed offsets seek every partition.
+
+    Faust 0.15.3 reads a partition again after a rebalance by seeking to its
+    committed offset (``Consumer.perform_seek`` -> ``seek_to_committed``), and
+    clears the messages it had queued for the streams. aiokafka 0.14's
+    ``AIOKafkaConsumer.seek_to_committed`` seeks only partitions committed past 0
+    (``if offset and offset > 0``): a partition never committed (a worker's first
+    minutes, a new partition) kept its fetch position, after the cleared messages,
+    which were then never processed, and a later commit went past them. Patched
+    (:func:`seek_every_partition`), such a partition goes back to where a new
+    consumer would start: ``auto_offset_reset`` (earliest for edgefeed). Once per
+    process.
+    """
+    from faust.transport.drivers import aiokafka as driver
+
+    thread_class: Any = driver.AIOKafkaConsumerThread
+    if getattr(thread_class, "_edgefeed_seek_every_partition", False):
+        return
+
+    async def seek_to_committed(self: Any) -> Any:
+        return await self.call_thread(seek_every_partition, self._ensure_consumer())
+
+    thread_class._edgefeed_original_seek_to_committed = thread_class.seek_to_committed
+    thread_class.seek_to_committed = seek_to_committed
+    thread_class._edgefeed_seek_every_partition = True
 
 
 # Topics whose offsets have no holes (written by edgefeed's own non-transactional
@@ -341,3 +457,33 @@ class StuckHeads:
         self.since.clear()
         self.reseeks += 1
         await consumer.perform_seek()
+
+
+def record_epoch(event: Any) -> int | None:
+    """The owner epoch of a changelog record read in a recovery (None: no header)."""
+    headers = getattr(event, "headers", None) or getattr(event.message, "headers", None)
+    if not headers:
+        return None
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    for name, value in items:
+        if name == EPOCH_HEADER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def fence_recovery(table: Any, fence: ChangelogFence) -> None:
+    """Make ``table``'s recovery skip the records a fenced owner wrote late.
+
+    Faust's recovery applies changelog records with ``Table.apply_changelog_batch``,
+    last record per key wins. This filters each batch through ``fence`` first
+    (pipeline.statestore: owner epochs), keeping the partition order.
+    """
+    apply = table.apply_changelog_batch
+
+    def apply_fenced(batch: Iterable[Any]) -> None:
+        apply([e for e in batch if fence.admit(e.message.partition, record_epoch(e))])
+
+    table.apply_changelog_batch = apply_fenced

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["STATE_TABLE", "PipelineNames"]
+__all__ = ["HOMES_TABLE", "STATE_TABLE", "PipelineNames"]
 
 STATE_TABLE = "entities"  # the regional app's Faust table of entity states
+HOMES_TABLE = "homes"  # the router's Faust table of entity homes (pipeline.homes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,11 @@ class PipelineNames:
         """The changelog of a region's entity states (Faust names a table's changelog
         ``<app id>-<table>-changelog``)."""
         return f"{self.region_group(region)}-{STATE_TABLE}-changelog"
+
+    @property
+    def homes_changelog_topic(self) -> str:
+        """The router's book of entity homes (compacted; entity key -> home region)."""
+        return f"{self.router_group}-{HOMES_TABLE}-changelog"
 
     def owns_group(self, group: str) -> bool:
         """True for the groups of this pipeline (router and regions)."""

@@ -8,10 +8,25 @@ again:
 - ``entity:id`` -> the entity's position and bookkeeping (``lsn``, ``rev``,
   ``ts``, ``gone``, ``marks``), without its rows;
 - ``entity:id<US>table<US>chunk`` -> ``{pk: row entry}`` (``<US>`` is ``\\x1f``);
-- ``<US>checkpoint<US>partition`` -> when the partition's last checkpoint ended.
+- ``<US>checkpoint<US>partition`` -> when the partition's last checkpoint ended;
+- ``<US>fence<US>partition`` -> ``{"epoch": n}``: a new owner of the partition.
 
 The worker keeps its working states in memory (EntityState objects) and writes
 them here at checkpoints; after a recovery it rebuilds them from here.
+
+**Owner epochs (the rebalance race).** A worker that stalls past its session
+timeout is put out of the group and its partitions go to another worker, which
+recovers their states from the changelog and goes on. The old owner, once it
+runs again, may still finish a checkpoint (or the checkpoint Faust's revoke
+signal asks for): its records land after the new owner's, and the next
+recovery would take the old owner's states, older than what the cache holds.
+Each owner therefore writes under an epoch, one more than any epoch its
+recovery read on that partition, sent as the ``edgefeed-epoch`` header of every
+record, and opens its ownership with a fence record; a recovery ignores the
+records of a partition whose epoch is below the highest it has read there
+(:class:`ChangelogFence`). What the old owner had processed is not lost: its
+offsets were never committed (its commit fails once it is out of the group),
+so the new owner processes those messages again.
 """
 
 from __future__ import annotations
@@ -22,14 +37,61 @@ from typing import Any
 from pipeline.features import CHUNK_MS, EntityState, chunk_of
 from pipeline.rows import T as _T
 
-__all__ = ["ROW_SEP", "checkpoint_key", "rebuild_states", "store_state"]
+__all__ = [
+    "EPOCH_HEADER",
+    "ROW_SEP",
+    "ChangelogFence",
+    "checkpoint_key",
+    "fence_key",
+    "rebuild_states",
+    "store_state",
+]
 
 ROW_SEP = "\x1f"
+EPOCH_HEADER = "edgefeed-epoch"  # the owner epoch a changelog record was written under
 
 
 def checkpoint_key(partition: int) -> str:
     """The key of the record that closes a checkpoint on a changelog partition."""
     return f"{ROW_SEP}checkpoint{ROW_SEP}{partition}"
+
+
+def fence_key(partition: int) -> str:
+    """The key of the record that opens an owner's epoch on a changelog partition."""
+    return f"{ROW_SEP}fence{ROW_SEP}{partition}"
+
+
+class ChangelogFence:
+    """Which changelog records a recovery keeps: per partition, those written under
+    the highest owner epoch read so far (records without an epoch, written before
+    epochs existed, are kept)."""
+
+    def __init__(self) -> None:
+        self.top: dict[int, int] = {}
+
+    def admit(self, partition: int, epoch: int | None) -> bool:
+        """Whether a record of ``partition`` written under ``epoch`` counts (read in
+        the partition's order)."""
+        if epoch is None:
+            return True
+        top = self.top.get(partition, 0)
+        if epoch < top:
+            return False  # an earlier owner's record, written after a newer owner began
+        self.top[partition] = epoch
+        return True
+
+    def keep(self, partitions: Iterable[int]) -> None:
+        """Forget the partitions a recovery left this worker without: their records
+        are dropped from the table too, and read again from the start if they return."""
+        kept = set(partitions)
+        for partition in [p for p in self.top if p not in kept]:
+            del self.top[partition]
+
+    def next_epoch(self, partition: int) -> int:
+        """The epoch a new owner of ``partition`` writes under (and records as read)."""
+        epoch = self.top.get(partition, 0) + 1
+        self.top[partition] = epoch
+        return epoch
 
 
 def store_state(table: MutableMapping[str, Any], key: str, state: EntityState) -> int:

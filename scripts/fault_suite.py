@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa:
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
-from edgefeed.devstack.process import read_pid  # noqa: E402
+from edgefeed.devstack.process import (  # noqa: E402
+    port_in_use,
+    read_pid,
+    stop_pid,
+    wait_until,
+)
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping  # noqa: E402
 from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
 from edgefeed.verify import verify  # noqa: E402
@@ -193,11 +199,22 @@ class Suite:
     def kill9(self, service: str, app: bool) -> None:
         name = f"{self.stack._APP_PREFIX}{service}" if app else service
         record = read_pid(self.stack.pid_path(name))
-        if record is not None and record.alive():
-            os.kill(record.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while record.alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+        if record is None or not record.alive():
+            return
+        if not app:
+            # The whole service, as a container's kill: PostgreSQL's backends die
+            # with the postmaster (a live backend, or the unreaped postmaster named
+            # in postmaster.pid, keeps the restarted server from starting).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(record.pid, signal.SIGKILL)
+        stop_pid(record, sig=signal.SIGKILL, timeout_s=30)  # waits, and reaps it
+        if not app:
+            # A multi-threaded process (Connect's JVM) shows as a zombie once its
+            # main thread is gone, while its other threads still hold the port
+            # until the last exits: wait for the port, or the restart finds it
+            # taken ("a process the local stack did not start").
+            port = self.stack.service(service).port
+            wait_until(lambda: not port_in_use(port), timeout_s=30)
 
     # -- measuring
 
@@ -310,6 +327,39 @@ class Suite:
 
             return inject
 
+        def pause(service: str, app: bool, seconds: float) -> Callable[[], None]:
+            # SIGSTOP of the whole process group (PostgreSQL's backends, Connect's
+            # JVM threads, a worker), then SIGCONT: a hung process, not a dead one.
+            # Longer than the session timeout, a paused worker is put out of its
+            # group and resumes as a stale owner (the rebalance race).
+            def inject() -> None:
+                name = f"{self.stack._APP_PREFIX}{service}" if app else service
+                record = read_pid(self.stack.pid_path(name))
+                if record is None or not record.alive():
+                    raise RuntimeError(f"{name} is not running: nothing to pause")
+                os.killpg(record.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(seconds)
+                finally:
+                    os.killpg(record.pid, signal.SIGCONT)
+
+            return inject
+
+        def restart_redis_keeping_data(region: str) -> Callable[[], None]:
+            # Writes held (CLIENT PAUSE WRITE), a snapshot, kill -9, restart: the
+            # server loads the snapshot and holds exactly what it held before.
+            def inject() -> None:
+                service = f"redis-{region}"
+                with redis.Redis.from_url(self.settings.region(region).redis_url) as client:
+                    client.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+                    client.execute_command("SAVE")
+                self.kill9(service, app=False)
+                self.stack.up()
+                # Later faults of this Redis lose their data, as before.
+                (self.stack.service(service).home / "dump.rdb").unlink(missing_ok=True)
+
+            return inject
+
         def scale_out() -> None:
             # Two more workers join eu-west's group; one of them is killed -9.
             self.start_app("eu-west-2", region="eu-west")
@@ -335,9 +385,18 @@ class Suite:
                 ("kill -9 worker us-east", restart_app("us-east")),
                 ("kill -9 worker ap-southeast", restart_app("ap-southeast")),
                 ("kill -9 Redis us-east (data lost)", restart_service("redis-us-east")),
+                ("kill -9 Redis eu-west (data kept)", restart_redis_keeping_data("eu-west")),
                 ("kill -9 Kafka Connect", restart_service("connect")),
                 ("kill -9 PostgreSQL", restart_service("postgres")),
+                ("pause Kafka Connect 10 s", pause("connect", False, 10)),
+                ("pause PostgreSQL 10 s", pause("postgres", False, 10)),
+                ("pause router 10 s", pause("router", True, 10)),
+                ("pause worker us-east 10 s", pause("us-east", True, 10)),
+                ("pause worker ap-southeast 10 s", pause("ap-southeast", True, 10)),
                 ("eu-west scaled to 3 workers, one killed -9", scale_out),
+                # Two eu-west workers now: the paused one's partitions move to the
+                # other, and it resumes as their stale owner.
+                ("pause worker eu-west 10 s (2 in its group)", pause("eu-west", True, 10)),
             ]
         return chosen
 

@@ -1,5 +1,6 @@
 """pipeline.faustcompat's guards around Faust's consumer: no commit past a message
-that was never acknowledged, and a skipped message read again."""
+that was never acknowledged, a skipped message read again, and every message a
+rebalance cleared from the streams read again."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from faust.transport.consumer import Consumer
 from faust.types import TP
 from intervaltree import IntervalTree
 
-from pipeline.faustcompat import StuckHeads, head_missing, patch_strict_commits
+from pipeline.faustcompat import (
+    StuckHeads,
+    head_missing,
+    patch_recovery_handover,
+    patch_seek_every_partition,
+    patch_strict_commits,
+    seek_every_partition,
+)
 
 TOPIC = TP("ef.shop.region.eu-west", 0)
 DEBEZIUM = TP("shop.public.events", 0)  # may hold transaction markers: Faust's rules
@@ -96,3 +104,100 @@ async def test_a_consumer_not_started_yet_is_left_alone() -> None:
     heads = StuckHeads(SimpleNamespace(_consumer=None))  # type: ignore[arg-type]
     await heads.tick()
     assert heads.reseeks == 0
+
+
+class FakeKafkaConsumer:
+    """What :func:`seek_every_partition` uses of an aiokafka consumer: committed
+    offsets as aiokafka reports them, and the seeks asked for."""
+
+    def __init__(self, committed: dict[str, int | None], reset: str = "earliest") -> None:
+        from aiokafka.consumer.fetcher import OffsetResetStrategy
+
+        self.committed = committed
+        self._fetcher = SimpleNamespace(_default_reset_strategy=OffsetResetStrategy.from_str(reset))
+        self.positions: dict[str, int | str] = {}
+
+    async def seek_to_committed(self) -> dict[str, int | None]:
+        # aiokafka 0.14: ``if offset and offset > 0: self._fetcher.seek_to(tp, offset)``
+        for tp, offset in self.committed.items():
+            if offset and offset > 0:
+                self.positions[tp] = offset
+        return dict(self.committed)
+
+    def seek(self, tp: str, offset: int) -> None:
+        self.positions[tp] = offset
+
+    async def seek_to_beginning(self, *tps: str) -> None:
+        self.positions.update(dict.fromkeys(tps, "beginning"))
+
+    async def seek_to_end(self, *tps: str) -> None:
+        self.positions.update(dict.fromkeys(tps, "end"))
+
+
+async def test_a_partition_never_committed_is_read_again_from_the_reset_position() -> None:
+    kafka = FakeKafkaConsumer({"p0": None, "p1": 0, "p2": 7})
+    committed = await seek_every_partition(kafka)
+    # Without the patch p0 and p1 kept their fetch positions, past the messages
+    # Faust had just cleared from its stream queues.
+    assert kafka.positions == {"p0": "beginning", "p1": 0, "p2": 7}
+    assert committed == {"p0": None, "p1": 0, "p2": 7}  # what Faust's perform_seek reads
+
+
+async def test_the_reset_position_follows_auto_offset_reset() -> None:
+    kafka = FakeKafkaConsumer({"p0": None}, reset="latest")
+    await seek_every_partition(kafka)
+    assert kafka.positions == {"p0": "end"}
+
+
+async def test_faust_seeks_through_the_patch() -> None:
+    from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+
+    patch_seek_every_partition()
+    patch_seek_every_partition()  # idempotent
+    kafka = FakeKafkaConsumer({"p0": None})
+    calls: list[Any] = []
+
+    async def call_thread(fun: Any, *args: Any) -> Any:
+        calls.append(fun)
+        return await fun(*args)
+
+    thread = SimpleNamespace(call_thread=call_thread, _ensure_consumer=lambda: kafka)
+    assert await AIOKafkaConsumerThread.seek_to_committed(thread) == {"p0": None}  # type: ignore[arg-type]
+    assert calls == [seek_every_partition]
+    assert kafka.positions == {"p0": "beginning"}
+
+
+async def test_no_stream_message_is_delivered_while_a_recovery_ends() -> None:
+    """Faust's end of recovery seeks, then clears the stream queues: the consumer's
+    flow must already be stopped when it begins (the recovery resumes it at its end)."""
+    from faust.tables.recovery import Recovery
+
+    patch_recovery_handover()
+    patch_recovery_handover()  # idempotent
+    flow = SimpleNamespace(active=True, stops=0)
+
+    def stop_flow() -> None:
+        flow.active = False
+        flow.stops += 1
+
+    seen: list[bool] = []
+
+    async def original(self: Any, generation_id: int = 0) -> None:
+        seen.append(flow.active)  # the callbacks, the seek and the clear run here
+        self.app.consumer.resume_flow()
+
+    def resume_flow() -> None:
+        flow.active = True
+
+    recovery: Any = SimpleNamespace(
+        app=SimpleNamespace(consumer=SimpleNamespace(stop_flow=stop_flow, resume_flow=resume_flow))
+    )
+    klass: Any = Recovery
+    saved = klass._edgefeed_original_on_recovery_completed
+    klass._edgefeed_original_on_recovery_completed = original
+    try:
+        await Recovery.on_recovery_completed(recovery, 3)
+    finally:
+        klass._edgefeed_original_on_recovery_completed = saved
+    assert seen == [False]
+    assert flow.stops == 1 and flow.active
