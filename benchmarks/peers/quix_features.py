@@ -9,7 +9,10 @@ per user per checkpoint to Redis in edgefeed's key layout and value format
 compared value by value.
 
 The features and how each maps onto Quix (what edgefeed means by a window:
-pipeline/windows.py; the window ends at the user's newest event):
+pipeline/windows.py). Quix's windows end at the user's newest event; edgefeed's
+are read as of the read time. The benchmark reads both caches right after its
+load, within seconds of the newest events, where the two meanings agree (a row
+would have to leave a 30-minute window in between to tell them apart):
 
     views_30m, clicks_30m            sliding 30 min: Count of the view / click column
     carts_1h                         sliding 1 h: Count of the cart column
