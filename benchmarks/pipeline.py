@@ -378,6 +378,7 @@ class KafkaLatency(threading.Thread):
         self.bootstrap, self.topic = bootstrap, topic
         self.samples: list[float] = []
         self.stop_event = threading.Event()
+        self.ready = threading.Event()  # positioned at the topic's end: the load may start
 
     def run(self) -> None:
         asyncio.run(self._consume())
@@ -391,6 +392,14 @@ class KafkaLatency(threading.Thread):
         )
         await consumer.start()
         try:
+            # Resolve "latest" now, not at the first fetch: a consumer that got there
+            # after a short load's records would measure nothing.
+            deadline = time.monotonic() + 60
+            while not consumer.assignment() and time.monotonic() < deadline:
+                await consumer.getmany(timeout_ms=100)
+            for partition in consumer.assignment():
+                await consumer.position(partition)
+            self.ready.set()
             while not self.stop_event.is_set():
                 batch = await consumer.getmany(timeout_ms=200, max_records=5000)
                 for records in batch.values():
@@ -447,7 +456,9 @@ def freshness(
         settings.kafka.bootstrap_servers, settings.pipeline.region_topic("eu-west")
     )
     routed.start()
-    time.sleep(1.0)
+    for thread in (side, routed):
+        if not thread.ready.wait(timeout=90):
+            raise RuntimeError(f"the side consumer of {thread.topic} did not start in 90 s")
     before = histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))["count"]
     cpu_before = {app: cpu_seconds(stack, app) for app in ("router", "eu-west")}
     result = load.run(rate, seconds)
