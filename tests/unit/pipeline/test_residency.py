@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SETTINGS = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
 REGIONS = SETTINGS.region_names
 T0 = 1_764_000_000_000  # ms
+READ_AT = T0 + 1000  # windows are read as of a read time: a second after the events
 
 
 def change(table: str, op: str, before: Any, after: Any, lsn: int) -> Change:
@@ -87,7 +88,7 @@ class Regions:
         if state is None:
             return None
         entity, entity_id = key.split(":", 1)
-        op = self.engines[region].engine(entity).write_op(int(entity_id), state)
+        op = self.engines[region].engine(entity).write_op(int(entity_id), state, READ_AT)
         return None if isinstance(op, Delete) else dict(op.values)
 
     def rows_in_changelog(self, region: str, key: str) -> dict[str, Any]:
@@ -228,6 +229,7 @@ def test_a_moved_users_vectors_equal_a_recomputation_from_the_final_rows() -> No
         SETTINGS.tables(),
         REGIONS,
         {"public.users": [user("us-east")], "public.events": final_events},
+        READ_AT,
     )
     for region in REGIONS:
         for entity in ("user", "item"):
@@ -281,6 +283,7 @@ def test_events_read_before_their_users_move_count_once_the_move_is_read() -> No
             "public.users": [user("us-east")],
             "public.events": [event(1, "us-east"), event(2, "us-east")],
         },
+        READ_AT,
     )
     assert expected["us-east"].vectors["user"]["7"] == moved
 
