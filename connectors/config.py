@@ -125,6 +125,7 @@ def render_connector_config(database: DatabaseSettings, source: SourceSettings) 
         # the signal table, read from the WAL like any change; progress goes to a topic.
         "signal.data.collection": signal_table(source),
         "signal.enabled.channels": "source",
+        "incremental.snapshot.chunk.size": str(source.snapshot_chunk_rows),
         "notification.enabled.channels": "sink",
         "notification.sink.topic.name": notification_topic(source),
         "topic.creation.default.partitions": str(source.partitions),

@@ -268,6 +268,13 @@ class SourceSettings(BaseModel):
         partitions: Partitions of each change topic Connect creates.
         replication_factor: Replication factor of the change topics.
         include_schema: Embed the JSON schema in each event (bigger messages).
+        snapshot_chunk_rows: Rows per chunk of an incremental snapshot (Debezium's
+            ``incremental.snapshot.chunk.size``): the burst a streamed change may
+            wait behind, and the pacer's step.
+        snapshot_rows_per_s: The pace of an incremental snapshot that edgefeed
+            signals (``features apply``, ``connectors snapshot``), so that a
+            backfill leaves the pipeline room for streaming (connectors/pacing.py);
+            0: as fast as Debezium reads.
         extra: Further connector options, applied last (expert use).
     """
 
@@ -284,6 +291,8 @@ class SourceSettings(BaseModel):
     partitions: int = Field(default=1, ge=1)
     replication_factor: int = Field(default=1, ge=1)
     include_schema: bool = False
+    snapshot_chunk_rows: int = Field(default=256, ge=16, le=65_536)
+    snapshot_rows_per_s: int = Field(default=2_000, ge=0)
     extra: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("name")

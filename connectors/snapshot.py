@@ -10,9 +10,7 @@ are refused and nothing is signalled.
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +25,7 @@ from connectors.exceptions import (
     SnapshotTableError,
     SnapshotUnavailableError,
 )
+from connectors.pacing import PaceReport, SnapshotPacer, write_signal
 from connectors.secrets import redact
 from connectors.settings import DatabaseSettings, SourceSettings, TableSettings
 
@@ -35,6 +34,7 @@ __all__ = [
     "check_filter",
     "request_snapshot",
     "signal_payload",
+    "snapshot_paced",
     "source_of",
 ]
 
@@ -197,19 +197,9 @@ def request_snapshot(
     if filter_sql is not None:
         check_filter(database, declared, filter_sql)
     _check_connector(client, source)
-    signal_id = f"edgefeed-{uuid.uuid4()}"
-    data = json.dumps(signal_payload(declared.name, filter_sql))
-    statement = sql.SQL("INSERT INTO {} (id, type, data) VALUES (%s, %s, %s)").format(
-        sql.Identifier(*signal_table(source).split("."))
+    signal_id = write_signal(
+        database, source, "execute-snapshot", signal_payload(declared.name, filter_sql)
     )
-    with _connect(database) as conn:
-        try:
-            conn.execute(statement, (signal_id, "execute-snapshot", data))
-        except psycopg.errors.UndefinedTable:
-            raise SnapshotUnavailableError(
-                f"the signal table {signal_table(source)} does not exist; run "
-                "`edgefeed connectors apply` to create it"
-            ) from None
     return SnapshotRequest(
         id=signal_id,
         source=source.name,
@@ -218,3 +208,64 @@ def request_snapshot(
         filter=filter_sql,
         notification_topic=notification_topic(source),
     )
+
+
+def snapshot_paced(
+    client: ConnectClient,
+    database: DatabaseSettings,
+    sources: Sequence[SourceSettings],
+    wanted: Sequence[tuple[str, str | None]],
+    bootstrap_servers: Sequence[str],
+    *,
+    client_options: dict[str, Any] | None = None,
+    timeout_s: float | None = None,
+    on_signalled: Callable[[list[SnapshotRequest]], None] | None = None,
+) -> tuple[list[SnapshotRequest], list[PaceReport]]:
+    """Signal a snapshot of each ``(table, filter)`` and follow them to their end,
+    paced to each source's ``snapshot_rows_per_s`` (connectors/pacing.py).
+
+    Every table is checked before anything is signalled. ``on_signalled`` is called
+    once a source's signals are written, before the pacing (so that an interrupted
+    pacing is not signalled again).
+
+    Raises:
+        SnapshotTableError, SnapshotFilterError, SnapshotUnavailableError:
+            as :func:`request_snapshot`; nothing was signalled.
+    """
+    by_source: dict[str, list[tuple[TableSettings, str | None]]] = {}
+    chosen: dict[str, SourceSettings] = {}
+    for table, filter_sql in wanted:
+        source, declared = source_of(sources, table)
+        if filter_sql is not None:
+            check_filter(database, declared, filter_sql)
+        _check_connector(client, source)
+        chosen[source.name] = source
+        by_source.setdefault(source.name, []).append((declared, filter_sql))
+    requests: list[SnapshotRequest] = []
+    reports: list[PaceReport] = []
+    for name, items in by_source.items():
+        source = chosen[name]
+        pacer = SnapshotPacer(
+            database,
+            source,
+            bootstrap_servers,
+            rows_per_s=source.snapshot_rows_per_s,
+            chunk_rows=source.snapshot_chunk_rows,
+            client_options=dict(client_options or {}),
+        )
+
+        def signal(items: list[tuple[TableSettings, str | None]] = items) -> list[SnapshotRequest]:
+            return [
+                request_snapshot(client, database, sources, declared.name, filter_sql)
+                for declared, filter_sql in items
+            ]
+
+        signalled, report = pacer.run(
+            signal,
+            [declared.name for declared, _ in items],
+            timeout_s=timeout_s,
+            on_signalled=on_signalled,
+        )
+        requests += signalled
+        reports.append(report)
+    return requests, reports

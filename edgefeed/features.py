@@ -32,6 +32,7 @@ from pipeline.settings import EntitySettings, FeatureReader
 
 if TYPE_CHECKING:
     from connectors.client import ConnectClient
+    from connectors.pacing import PaceReport
     from connectors.snapshot import SnapshotRequest
     from edge_cache import RegionSettings
     from edgefeed.settings import EdgefeedSettings
@@ -72,12 +73,14 @@ class FeaturesApplied:
     plans: list[EntityPlan]
     registered: list[tuple[str, str, int]] = field(default_factory=list)  # region, entity, v
     snapshots: list[SnapshotRequest] = field(default_factory=list)
+    paced: list[PaceReport] = field(default_factory=list)  # one per source, when paced
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "plans": [p.as_dict() for p in self.plans],
             "registered": [{"region": r, "entity": e, "version": v} for r, e, v in self.registered],
             "snapshots": [s.as_dict() for s in self.snapshots],
+            "paced": [p.as_dict() for p in self.paced],
         }
 
 
@@ -187,19 +190,26 @@ def apply_features(
     wait_s: float = 600.0,
     allow_breaking: bool = False,
     on_registered: Callable[[], None] | None = None,
+    pace: bool = True,
+    pace_timeout_s: float | None = None,
 ) -> FeaturesApplied:
     """Check, register, wait for the workers, snapshot (see the module docstring).
 
     Args:
         on_registered: Called once the versions are registered, before waiting
             (the CLI tells the operator to restart the workers).
+        pace: Follow the snapshots to their end, paced to each source's
+            ``snapshot_rows_per_s`` (connectors/pacing.py); False signals them and
+            returns.
+        pace_timeout_s: Stop following after this long (the snapshots go on,
+            unpaced); None: until they end.
 
     Raises:
         FeaturePlanRefused: the plan has problems; nothing was registered.
         WorkersNotReadyError: the workers did not write the new version in time.
         SnapshotTableError, SnapshotUnavailableError: from the snapshot signal.
     """
-    from connectors.snapshot import request_snapshot
+    from connectors.snapshot import request_snapshot, snapshot_paced
 
     plans = plan_features(settings, readers, regions=regions, allow_breaking=allow_breaking)
     problems = [problem for plan in plans for problem in plan.problems]
@@ -233,10 +243,32 @@ def apply_features(
     if on_registered is not None:
         on_registered()
     _wait_for_workers(settings, wanted, wait_s)
-    for table in sorted(tables):
-        done.snapshots.append(request_snapshot(connect, settings.database, settings.sources, table))
-    for region_name, versions in wanted.items():
-        with _registry(settings.region(region_name), write=True) as registry:
-            for entity_name, version in versions.items():
-                registry.backfilled(entity_name, version)
+
+    def signalled(requests: list[SnapshotRequest]) -> None:
+        done.snapshots.extend(requests)
+        if len(done.snapshots) < len(tables):
+            return  # another source's tables are still to signal
+        for region_name, versions in wanted.items():
+            with _registry(settings.region(region_name), write=True) as registry:
+                for entity_name, version in versions.items():
+                    registry.backfilled(entity_name, version)
+
+    if not pace:
+        signalled(
+            [
+                request_snapshot(connect, settings.database, settings.sources, table)
+                for table in sorted(tables)
+            ]
+        )
+        return done
+    _, done.paced = snapshot_paced(
+        connect,
+        settings.database,
+        settings.sources,
+        [(table, None) for table in sorted(tables)],
+        settings.kafka.bootstrap_servers,
+        client_options=settings.kafka.security.aiokafka_options(),
+        timeout_s=pace_timeout_s,
+        on_signalled=signalled,
+    )
     return done

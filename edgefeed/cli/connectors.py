@@ -8,7 +8,7 @@ config rejected by Connect), 3 ``plan``: changes pending / ``status``: not all r
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -150,31 +150,101 @@ def status_cmd(ctx: typer.Context, name: NameArg = None, as_json: JsonFlag = Fal
 @connectors_app.command("snapshot")
 def snapshot_cmd(
     ctx: typer.Context,
-    table: Annotated[str, typer.Option("--table", help="The captured table, schema.table.")],
+    table: Annotated[
+        str | None, typer.Option("--table", help="The captured table, schema.table.")
+    ] = None,
     filter_sql: Annotated[
         str | None,
         typer.Option("--filter", help="SQL condition on the table's columns (default: all rows)."),
     ] = None,
+    pace: Annotated[
+        bool,
+        typer.Option(
+            help="Follow the snapshot to its end, paced to sources[].snapshot_rows_per_s so "
+            "streaming keeps its freshness (--no-pace: signal it and return)."
+        ),
+    ] = True,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Resume the snapshots of every source (one a pacer killed while paused "
+            "left PAUSED in `edgefeed lag`).",
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Re-read a table's rows while streaming goes on (Debezium incremental snapshot)."""
-    from connectors.snapshot import request_snapshot
+    from connectors.pacing import write_signal
+    from connectors.snapshot import request_snapshot, snapshot_paced
 
     settings = settings_of(ctx)
+    if resume:
+        for source in settings.sources:
+            run_reported(
+                lambda source=source: write_signal(  # type: ignore[misc]
+                    settings.database, source, "resume-snapshot", {"type": "INCREMENTAL"}
+                )
+            )
+            console.print(f"resume signalled to {source.connector_name}", highlight=False)
+        return
+    if table is None:
+        raise typer.BadParameter("name the table to snapshot (or --resume)", param_hint="--table")
+    wanted = table
+
+    def announce(requests: list[Any]) -> None:
+        if as_json:
+            return
+        for request in requests:
+            console.print(
+                f"snapshot {request.id} signalled to {request.connector}: {request.table}"
+                + (f" where {request.filter}" if request.filter else " (every row)"),
+                highlight=False,
+                markup=False,
+            )
+        console.print(
+            "following it to its end, paced (Ctrl-C stops following; the snapshot goes on); "
+            "progress: `edgefeed lag`",
+            highlight=False,
+            markup=False,
+        )
+
     with _client(settings) as client:
-        request = run_reported(
-            lambda: request_snapshot(client, settings.database, settings.sources, table, filter_sql)
+        if not pace:
+            request = run_reported(
+                lambda: request_snapshot(
+                    client, settings.database, settings.sources, wanted, filter_sql
+                )
+            )
+            if as_json:
+                typer.echo(json.dumps(request.as_dict(), indent=2))
+                return
+            console.print(
+                f"snapshot {request.id} signalled to {request.connector}: {request.table}"
+                + (f" where {request.filter}" if request.filter else " (every row)"),
+                highlight=False,
+                markup=False,
+            )
+            console.print("progress: `edgefeed lag` (snapshots)", highlight=False, markup=False)
+            return
+        requests, reports = run_reported(
+            lambda: snapshot_paced(
+                client,
+                settings.database,
+                settings.sources,
+                [(wanted, filter_sql)],
+                settings.kafka.bootstrap_servers,
+                client_options=settings.kafka.security.aiokafka_options(),
+                on_signalled=announce,
+            )
         )
     if as_json:
-        typer.echo(json.dumps(request.as_dict(), indent=2))
+        typer.echo(
+            json.dumps({**requests[0].as_dict(), "paced": [r.as_dict() for r in reports]}, indent=2)
+        )
         return
-    console.print(
-        f"snapshot {request.id} signalled to {request.connector}: {request.table}"
-        + (f" where {request.filter}" if request.filter else " (every row)"),
-        highlight=False,
-        markup=False,
-    )
-    console.print("progress: `edgefeed lag` (snapshots)", highlight=False, markup=False)
+    for report in reports:
+        console.print(report.summary(), highlight=False, markup=False)
 
 
 def _each(ctx: typer.Context, name: str | None, verb: str) -> None:

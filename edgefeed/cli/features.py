@@ -126,6 +126,13 @@ def apply_cmd(
     wait: Annotated[
         float, typer.Option(help="Seconds to wait for the workers to write the new version.")
     ] = 600.0,
+    pace: Annotated[
+        bool,
+        typer.Option(
+            help="Follow the snapshots to their end, paced to sources[].snapshot_rows_per_s "
+            "so streaming keeps its freshness (--no-pace: signal them and return)."
+        ),
+    ] = True,
     as_json: JsonFlag = False,
 ) -> None:
     """Register the new versions, wait for the workers, snapshot what needs history."""
@@ -158,6 +165,7 @@ def apply_cmd(
                 wait_s=wait,
                 allow_breaking=break_readers,
                 on_registered=registered,
+                pace=pace,
             )
         )
     if as_json:
@@ -169,6 +177,8 @@ def apply_cmd(
         console.print(
             f"snapshot {request.id}: {request.table} (progress: `edgefeed lag`)", highlight=False
         )
+    for report in done.paced:
+        console.print(report.summary(), highlight=False, markup=False)
     if not done.registered:
         console.print("nothing to change")
 

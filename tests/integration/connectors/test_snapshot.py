@@ -20,7 +20,7 @@ from connectors.exceptions import (
     SnapshotUnavailableError,
 )
 from connectors.settings import SourceSettings, TableSettings
-from connectors.snapshot import request_snapshot
+from connectors.snapshot import request_snapshot, snapshot_paced
 from edgefeed.devstack import DevStack
 from monitoring.snapshots import read_snapshots
 
@@ -137,3 +137,66 @@ def test_bad_input_is_refused_and_nothing_is_signalled(
         request_snapshot(client, db, [source], table)
     assert signals(pg_conn, source) == []
     client.resume(source.connector_name)
+
+
+def paced_source(pg_conn: Conn, source: SourceSettings, rows_per_s: int) -> SourceSettings:
+    """The fixture's source with 2,000 more rows to read, paced to ``rows_per_s``."""
+    pg_conn.execute(
+        f"INSERT INTO {source.tables[0].name} (id, total, note) "
+        "SELECT i, i, 'more' FROM generate_series(11, 2010) AS i"
+    )
+    return source.model_copy(update={"snapshot_rows_per_s": rows_per_s})
+
+
+def test_a_paced_snapshot_reads_in_pulses_no_faster_than_its_pace(
+    devstack: DevStack, client: ConnectClient, pg_conn: Conn, source: SourceSettings
+) -> None:
+    paced = paced_source(pg_conn, source, rows_per_s=400)
+    table = paced.tables[0].name
+    requests, (report,) = snapshot_paced(
+        client,
+        devstack.settings.database,
+        [paced],
+        [(table, None)],
+        devstack.settings.kafka.bootstrap_servers,
+        timeout_s=240,
+    )
+    assert [r.table for r in requests] == [table]
+    assert report.state == "COMPLETED", report
+    ((scanned, rows),) = report.tables.items()
+    assert scanned.endswith(table) and rows == 2010
+    # 2,010 rows at 400/s: held between pulses, never ahead of the pace (a busy
+    # machine can only make it slower).
+    assert report.pauses >= 3, report
+    assert report.rows_per_s is not None and report.rows_per_s <= 400 * 1.25, report
+    kinds = [kind for _, kind in signals(pg_conn, paced)]
+    assert kinds.count("execute-snapshot") == 1
+    assert kinds[-1] == "resume-snapshot"  # never left paused
+
+
+async def test_a_pacer_that_stops_following_leaves_the_snapshot_running(
+    devstack: DevStack, client: ConnectClient, pg_conn: Conn, source: SourceSettings
+) -> None:
+    paced = paced_source(pg_conn, source, rows_per_s=50)  # paced, it would take 40 s
+    table = paced.tables[0].name
+    bootstrap = devstack.settings.kafka.bootstrap_servers
+    requests, (report,) = await asyncio.to_thread(
+        snapshot_paced,
+        client,
+        devstack.settings.database,
+        [paced],
+        [(table, None)],
+        bootstrap,
+        timeout_s=1,
+    )
+    assert report.state == "TIMEOUT", report
+    # The pacer resumed it on its way out: the snapshot reads the rest unpaced.
+    progress = {requests[0].connector: requests[0].notification_topic}
+    deadline = time.monotonic() + 240
+    while True:
+        reports = await read_snapshots(bootstrap, progress, timeout_s=30)
+        if reports and reports[0].state == "COMPLETED":
+            break
+        assert time.monotonic() < deadline, reports
+        await asyncio.sleep(0.5)
+    assert [(t.table, t.rows) for t in reports[0].tables] == [(table, 2010)]
