@@ -7,7 +7,6 @@ from PostgreSQL, and readers of the older version still read."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from edgefeed.features import FeaturesApplied, apply_features, plan_features
 from edgefeed.lookup import feature_client, feature_schemas
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 from edgefeed.verify import verify
-from monitoring.snapshots import read_snapshots
+from monitoring.snapshots import read_notifications, read_snapshots
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
@@ -38,7 +37,9 @@ REGION = "eu-west"
 # windows are read as of the read time.
 ANCHOR = {"at": datetime.now(UTC)}
 USERS = range(2001, 2031)  # 30 users of eu-west
-OLD_EVENTS_PER_USER = 300  # 2..14 days old: never streamed, older than any v1 window
+OLD_EVENTS_PER_USER = (
+    1000  # one per 20 min, 2..16 days old: never streamed, older than any v1 window
+)
 VIEWS_7D = {
     "name": "views_7d",
     "table": "public.events",
@@ -73,7 +74,7 @@ def run(
             f"INSERT INTO {schema}.events (user_id, item_id, category_id, price, home_region, "
             "kind, occurred_at) SELECT u, 100, i %% 3, 1.50, %s, "
             "CASE WHEN i %% 3 = 0 THEN 'click' ELSE 'view' END, "
-            "%s::timestamptz - make_interval(hours => 48 + i) "
+            "%s::timestamptz - make_interval(hours => 48, mins => 20 * i) "
             "FROM generate_series(%s::int, %s::int) AS u, generate_series(1, %s::int) AS i",
             (REGION, ANCHOR["at"], USERS.start, USERS.stop - 1, OLD_EVENTS_PER_USER),
         )
@@ -97,21 +98,121 @@ def stream_event(settings: EdgefeedSettings, schema: str, user: int, seconds_aft
     )
 
 
-STREAMED = 9001  # a user whose views stream in while the backfill runs
+SAMPLERS = range(9001, 9021)  # users whose views stream in before and during the backfill
+SAMPLE_EVERY_S = 0.05  # one streamed view per 50 ms, round robin over the samplers
 
 
-def fresh_view(
-    settings: EdgefeedSettings, schema: str, reader: FeatureClient, views: list[int]
-) -> float:
-    """Seconds from one streamed view's insert to its count in the cache."""
-    views.append(len(views) + 1)
-    sent = time.monotonic()
-    stream_event(settings, schema, STREAMED, len(views))
-    for _ in deadline_loop("a streamed view reaches the cache", 120):
-        got = reader.get("user", [STREAMED]).to_dicts()[0]
-        if got.get("views_30m") == len(views):
-            return time.monotonic() - sent
-    raise AssertionError("unreachable")
+class FreshnessSampler(threading.Thread):
+    """Streams one view every ``SAMPLE_EVERY_S`` (round robin over ``SAMPLERS``) and
+    times each from just before its insert to its count in the cache, read every 5 ms
+    (a coarse poll would round the figures up to its period). Samples are
+    ``(sent_wall_s, seconds)``, kept by the wall time of their insert so they can be
+    placed against the snapshot's own notifications afterwards."""
+
+    def __init__(self, settings: EdgefeedSettings, schema: str) -> None:
+        super().__init__(name="freshness-sampler", daemon=True)
+        self.settings = settings
+        self.schema = schema
+        self.samples: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[tuple[int, float, float]]] = {u: [] for u in SAMPLERS}
+        self._sent = dict.fromkeys(SAMPLERS, 0)
+
+    @property
+    def total_sent(self) -> int:
+        with self._lock:
+            return sum(self._sent.values())
+
+    def wait_seen(self, until_wall: float, timeout_s: float) -> None:
+        """Wait until every view inserted before ``until_wall`` was seen in the cache."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                late = [p for queue in self._pending.values() for p in queue if p[2] < until_wall]
+            if not late:
+                return
+            if self.error is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{len(late)} streamed views not in the cache: {self.error}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=60)
+        if self.error is not None:
+            raise self.error
+
+    def run(self) -> None:
+        poller = threading.Thread(target=self._poll, name="freshness-poller", daemon=True)
+        poller.start()
+        try:
+            with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
+                users = list(SAMPLERS)
+                turn = 0
+                while not self._halt.wait(SAMPLE_EVERY_S):
+                    user = users[turn % len(users)]
+                    turn += 1
+                    with self._lock:
+                        self._sent[user] += 1
+                        self._pending[user].append(
+                            (self._sent[user], time.monotonic(), time.time())
+                        )
+                    conn.execute(
+                        f"INSERT INTO {self.schema}.events (user_id, item_id, category_id, "
+                        "price, home_region, kind, occurred_at) "
+                        "VALUES (%s, 100, 1, 2.00, %s, 'view', clock_timestamp())",
+                        (user, REGION),
+                    )
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+            self._halt.set()
+        poller.join(timeout=30)
+
+    def _poll(self) -> None:
+        reader = feature_client(self.settings, REGION, timeout_s=2)
+        try:
+            while not self._halt.is_set():
+                got = reader.get("user", list(SAMPLERS)).to_dicts()
+                seen = time.monotonic()
+                with self._lock:
+                    for user, vector in zip(SAMPLERS, got, strict=True):
+                        count = vector.get("views_30m") or 0
+                        pending = self._pending[user]
+                        while pending and pending[0][0] <= count:
+                            _, sent, wall = pending.pop(0)
+                            self.samples.append((wall, seen - sent))
+                time.sleep(0.005)
+        except BaseException as exc:
+            self.error = exc
+            self._halt.set()
+        finally:
+            reader.close()
+
+
+def freshness_line(name: str, seconds: list[float]) -> str:
+    if not seconds:
+        return f"freshness {name}: no sample"
+    ms = sorted(t * 1000 for t in seconds)
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, int(q * len(ms)))]
+
+    return (
+        f"freshness {name}: {len(ms)} views, p50 {pct(0.5):.0f} ms, p90 {pct(0.9):.0f} ms, "
+        f"p99 {pct(0.99):.0f} ms, max {ms[-1]:.0f} ms"
+    )
+
+
+def snapshot_span_s(bootstrap: Any, topic: str) -> tuple[float, float]:
+    """Wall times (s) of the newest incremental snapshot's STARTED and COMPLETED
+    notifications, as Debezium stamped them."""
+    notes = asyncio.run(read_notifications(bootstrap, [topic], timeout_s=30))[topic]
+    ours = [n for n in notes if n.get("aggregate_type") == "Incremental Snapshot"]
+    started = [n for n in ours if n.get("type") == "STARTED"]
+    completed = [n for n in ours if n.get("type") == "COMPLETED"]
+    assert started and completed, notes
+    return int(started[-1]["timestamp"]) / 1000, int(completed[-1]["timestamp"]) / 1000
 
 
 def wait_verified(settings: EdgefeedSettings, what: str, timeout_s: float) -> None:
@@ -171,47 +272,44 @@ def test_a_7_day_feature_is_backfilled_while_streaming_goes_on(
             except BaseException as exc:  # reported by the test thread
                 outcome.append(exc)
 
-    # Freshness before the change (the baseline, same run), then during the backfill.
-    views: list[int] = []
-    before: list[float] = []
-    during: list[float] = []
+    # Freshness before the change (the baseline, same run), then during the backfill:
+    # views stream in all along, each timed from its insert to its count in the cache.
     sql(
         v1,
         f"INSERT INTO {schema}.users (user_id, home_region, country, segment, email) "
-        "VALUES (%s, %s, 'FR', 2, 'y@example.org')",
-        (STREAMED, REGION),
+        "SELECT u, %s, 'FR', 2, 'y@example.org' FROM generate_series(%s::int, %s::int) AS u",
+        (REGION, SAMPLERS.start, SAMPLERS.stop - 1),
     )
-    reader = feature_client(v1, REGION, timeout_s=2)
+    sampler = FreshnessSampler(v1, schema)  # a v1 reader: it reads v2 vectors' prefix too
+    sampler.start()
     try:
-        for _ in range(10):
-            before.append(fresh_view(v1, schema, reader, views))
-    finally:
-        reader.close()
+        time.sleep(10)  # the baseline: 10 s of streamed views before anything changes
+        baseline_until = time.time()
 
-    thread = threading.Thread(target=applying)
-    thread.start()
-    pipeline.settings_file.write_text(yaml.safe_dump(v2_mapping))
-    pipeline.kill9(REGION)
-    pipeline.start(REGION)
+        thread = threading.Thread(target=applying)
+        thread.start()
+        pipeline.settings_file.write_text(yaml.safe_dump(v2_mapping))
+        pipeline.kill9(REGION)
+        pipeline.start(REGION)
 
-    progress = {v2.sources[0].connector_name: notification_topic(v2.sources[0])}
-    bootstrap = v2.kafka.bootstrap_servers
-    reader = feature_client(v2, REGION, timeout_s=2)
-    try:
+        progress = {v2.sources[0].connector_name: notification_topic(v2.sources[0])}
+        bootstrap = v2.kafka.bootstrap_servers
         for _ in deadline_loop("the backfill snapshot completes", 900):
-            took = fresh_view(v2, schema, reader, views)
             reports = asyncio.run(read_snapshots(bootstrap, progress, timeout_s=30))
-            # The samples taken while the snapshot ran (not those of the worker's restart).
-            if reports and reports[0].state == "RUNNING":
-                during.append(took)
             if not thread.is_alive() and reports and reports[0].state == "COMPLETED":
                 break
+        sampler.wait_seen(time.time(), timeout_s=120)  # those sent as it ended, too
     finally:
-        reader.close()
+        sampler.stop()
     thread.join(timeout=60)
     (result,) = outcome
     assert isinstance(result, FeaturesApplied), result
     assert [s.table for s in result.snapshots] == [table]
+    # apply followed the snapshot to its end, reading in pulses no faster than the pace.
+    (paced,) = result.paced
+    pace = v2.sources[0].snapshot_rows_per_s
+    assert paced.state == "COMPLETED" and paced.pauses > 0, paced
+    assert paced.rows_per_s is not None and paced.rows_per_s <= pace * 1.25, paced
     (report,) = reports
     ((scanned, rows),) = [(t.table, t.rows) for t in report.tables]
     # Every row at the time of its chunk's read: the views streamed meanwhile may be in.
@@ -219,16 +317,16 @@ def test_a_7_day_feature_is_backfilled_while_streaming_goes_on(
     assert (
         len(USERS) * (OLD_EVENTS_PER_USER + 1)
         <= rows
-        <= len(USERS) * (OLD_EVENTS_PER_USER + 1) + len(views)
+        <= len(USERS) * (OLD_EVENTS_PER_USER + 1) + sampler.total_sent
     )
-    for name, found in (("before the change", before), ("during the backfill", during)):
-        if not found:
-            print(f"\nfreshness {name}: no sample (the snapshot ran between two)")
-            continue
-        print(  # quoted in docs/pipeline.md
-            f"\nfreshness {name}: {len(found)} views, median "
-            f"{statistics.median(found) * 1000:.0f} ms, max {max(found) * 1000:.0f} ms"
-        )
+    started, completed = snapshot_span_s(bootstrap, progress[v2.sources[0].connector_name])
+    # The baseline leaves out the views sent in its last 2 s: the kill -9 held those.
+    before = [t for wall, t in sampler.samples if wall < baseline_until - 2]
+    during = [t for wall, t in sampler.samples if started <= wall <= completed]
+    assert before and during, (baseline_until, started, completed, len(sampler.samples))
+    print(f"\nsnapshot ran {completed - started:.1f} s")  # quoted in docs/pipeline.md
+    print(freshness_line("before the change", before))
+    print(freshness_line("while the snapshot ran", during))
 
     wait_verified(v2, "v2 vectors equal the recomputation", 300)
     # Every user's 7-day count includes the history the worker never streamed.
@@ -238,7 +336,9 @@ def test_a_7_day_feature_is_backfilled_while_streaming_goes_on(
     finally:
         client.close()
     # Read now, minutes after the anchor: the view 168 hours before it has just left.
-    old_views = sum(1 for i in range(1, OLD_EVENTS_PER_USER + 1) if i % 3 and 48 + i < 168)
+    old_views = sum(
+        1 for i in range(1, OLD_EVENTS_PER_USER + 1) if i % 3 and 48 * 60 + 20 * i < 168 * 60
+    )
     assert {v["views_7d"] for v in values} == {old_views + 1}
     # A reader still on version 1 reads the version-2 vectors (its prefix).
     v1_schemas = feature_schemas(v1)
