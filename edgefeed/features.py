@@ -7,7 +7,8 @@ and nothing is registered; otherwise each changed entity's new version is
 registered (schema, declaration, tables to snapshot) in every region, apply
 waits until the regions' workers write the new version (they are restarted
 with the new settings meanwhile), then signals one incremental snapshot per
-table that needs history or feeds a new feature. The snapshot's reads give the
+table that needs history or feeds a new feature, and follows the snapshots to
+their end, paced so streaming keeps its freshness (connectors.pacing). The snapshot's reads give the
 workers the rows their state lacks and make them write every vector they touch
 again under the new version. Interrupted, apply resumes where it stopped: the
 tables still to snapshot are kept in the registry.
