@@ -84,7 +84,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "edgefeed_monitor_collect_duration_seconds",
 )
 
-_SNAPSHOT_STATES = ("RUNNING", "PAUSED", "COMPLETED", "ABORTED")
+_SNAPSHOT_STATES = ("RUNNING", "PACED", "PAUSED", "COMPLETED", "ABORTED")
 _CONNECT_STATES = ("RUNNING", "PAUSED", "STOPPED", "FAILED", "UNASSIGNED", "RESTARTING", "ABSENT")
 
 

@@ -253,7 +253,8 @@ class SnapshotReport:
 
     Attributes:
         id: Debezium's notification id of the snapshot.
-        state: RUNNING, PAUSED, COMPLETED or ABORTED.
+        state: RUNNING, PACED (held between an edgefeed pacer's pulses), PAUSED,
+            COMPLETED or ABORTED.
         current_table: The table being read, while one is.
         last_key / max_key: The last key read of it and its largest key (how far).
         updated_ms: When the newest notification was written.

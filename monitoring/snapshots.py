@@ -27,6 +27,9 @@ TAIL = 2000
 a snapshot of up to ~2 million rows is seen whole."""
 
 _INCREMENTAL = "Incremental Snapshot"
+PACED_WITHIN_MS = 30_000
+"""A paused snapshot resumed before reads as PACED for this long after its newest
+notification (the pacer's pulses come far more often)."""
 _STATES = {
     "STARTED": "RUNNING",
     "RESUMED": "RUNNING",
@@ -43,13 +46,20 @@ def _tables(text: str | None) -> list[str]:
 
 
 def fold_notifications(
-    connector: str, notifications: Iterable[Mapping[str, Any]]
+    connector: str, notifications: Iterable[Mapping[str, Any]], now_ms: int | None = None
 ) -> SnapshotReport | None:
     """The newest incremental snapshot of ``connector`` (None if it never ran one).
 
+    A snapshot held by edgefeed's pacer (connectors.pacing) between its pulses
+    reads ``PACED``, not ``PAUSED``: paused after being resumed before, with its
+    newest notification less than ``PACED_WITHIN_MS`` old. One paused longer (a
+    pacer killed while it held it) reads ``PAUSED``.
+
     Args:
         notifications: Debezium notifications in the order they were written.
+        now_ms: The time to judge "recent" by (default: now).
     """
+    resumed = False
     report: dict[str, Any] | None = None
     tables: dict[str, SnapshotTable] = {}
     for note in notifications:
@@ -61,11 +71,13 @@ def fold_notifications(
             data = {}
         if kind == "STARTED" or report is None:
             report = {"id": str(note.get("id", "")), "current": None, "last": None, "max": None}
+            resumed = False
             tables = {
                 t: SnapshotTable(t, None, "PENDING") for t in _tables(data.get("data_collections"))
             }
         if kind in _STATES:
             report["state"] = _STATES[kind]
+        resumed = resumed or kind == "RESUMED"
         report["at"] = note.get("timestamp")
         if kind == "IN_PROGRESS":
             current = data.get("current_collection_in_progress")
@@ -85,15 +97,21 @@ def fold_notifications(
     if report is None:
         return None
     at = report.get("at")
+    updated = int(at) if isinstance(at, int | float | str) and str(at).isdigit() else None
+    state = report.get("state", "RUNNING")
+    if state == "PAUSED" and resumed and updated is not None:
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        if now - updated <= PACED_WITHIN_MS:
+            state = "PACED"
     return SnapshotReport(
         connector=connector,
         id=report["id"],
-        state=report.get("state", "RUNNING"),
+        state=state,
         tables=tuple(tables.values()),
         current_table=report["current"],
         last_key=report["last"],
         max_key=report["max"],
-        updated_ms=int(at) if isinstance(at, int | float | str) and str(at).isdigit() else None,
+        updated_ms=updated,
     )
 
 

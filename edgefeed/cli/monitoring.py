@@ -45,6 +45,7 @@ _COLOURS = {
     "NODATA": "yellow",
     "NOTFOUND": "yellow",
     "PAUSED": "yellow",
+    "PACED": "green",
     "UNASSIGNED": "yellow",
     "ERR": "red",
     "STOP": "red",

@@ -98,3 +98,15 @@ def test_the_exporter_exports_the_snapshot_state_and_rows() -> None:
     assert samples[running] == 1.0
     rows = ("edgefeed_snapshot_rows", (("connector", "edgefeed-shop"), ("table", "public.orders")))
     assert samples[rows] == 4100
+
+
+def test_a_snapshot_held_between_pacer_pulses_reads_paced_until_it_stays_paused() -> None:
+    pulses = [note("PAUSED", 10), note("RESUMED", 20), CHUNK, note("PAUSED", 30)]
+    paced = fold_notifications("edgefeed-shop", [STARTED, *pulses], now_ms=30 + 29_000)
+    assert paced is not None and paced.state == "PACED"
+    # Paused for longer than pulses ever leave it (a pacer killed -9 while holding it).
+    stuck = fold_notifications("edgefeed-shop", [STARTED, *pulses], now_ms=30 + 31_000)
+    assert stuck is not None and stuck.state == "PAUSED"
+    # Paused and never resumed: an operator's pause, whatever its age.
+    held = fold_notifications("edgefeed-shop", [STARTED, CHUNK, note("PAUSED", 30)], now_ms=31)
+    assert held is not None and held.state == "PAUSED"
