@@ -26,6 +26,7 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 from prometheus_client.registry import CollectorRegistry
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -133,12 +134,15 @@ class _DeadlineSSLConnection(_DeadlineMixin, redis.SSLConnection):
     """A TLS connection whose reads stop at the call's deadline."""
 
 
-def _pool_options(timeout_s: float, url: str | None = None) -> dict[str, Any]:
+def _pool_options(
+    timeout_s: float, url: str | None = None, *, for_asyncio: bool = False
+) -> dict[str, Any]:
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        # one timeout per call: retries are the breaker's and the failover's job
-        "retry": Retry(NoBackoff(), 0),
+        # One timeout per call: retries are the breaker's and the failover's job. The
+        # asyncio client gets asyncio's Retry (redis-py 8.2 warns about a sync one).
+        "retry": (AsyncRetry if for_asyncio else Retry)(NoBackoff(), 0),
     }
     if url is not None:  # the sync face: reads bounded by the call's deadline
         scheme = urlsplit(url).scheme
@@ -520,7 +524,10 @@ class AsyncFeatureClient(_Base):
         self.gates = {name: asyncio.Semaphore(self.max_connections) for name in self.breakers}
         for name in self.breakers:
             settings = self.core.regions[name]
-            options = {**_pool_options(self.timeout_s), **settings.redis_options("reader")}
+            options = {
+                **_pool_options(self.timeout_s, for_asyncio=True),
+                **settings.redis_options("reader"),
+            }
             if settings.cluster:
                 self.clients[name] = aioredis.RedisCluster.from_url(settings.redis_url, **options)
             else:
