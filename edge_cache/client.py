@@ -134,6 +134,9 @@ class _DeadlineSSLConnection(_DeadlineMixin, redis.SSLConnection):
     """A TLS connection whose reads stop at the call's deadline."""
 
 
+_SYNC_READ_SIZE = 256 * 1024
+
+
 def _pool_options(
     timeout_s: float, url: str | None = None, *, for_asyncio: bool = False
 ) -> dict[str, Any]:
@@ -145,6 +148,10 @@ def _pool_options(
         "retry": (AsyncRetry if for_asyncio else Retry)(NoBackoff(), 0),
     }
     if url is not None:  # the sync face: reads bounded by the call's deadline
+        # Each socket read re-arms the deadline (two more system calls): read a whole
+        # 100-id reply of scheduled values (~112 KB) at once, not in 64 KiB pieces.
+        # One buffer per connection, and the sync face holds one per calling thread.
+        options["socket_read_size"] = _SYNC_READ_SIZE
         scheme = urlsplit(url).scheme
         if scheme == "redis":
             options["connection_class"] = _DeadlineConnection

@@ -60,7 +60,7 @@ import struct
 import time
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
@@ -402,7 +402,9 @@ class RecordLayout:
     Consecutive features of the same dtype form one sub-array field (``r0``,
     ``r1``...), so an all-float32 schema decodes as one ``float32[N]`` block. A
     schema with slots adds ``until_us``, ``from_us`` and ``patch`` (the scheduled
-    vectors, each a record of the body fields).
+    vectors, each a record of the body fields) to ``dtype``; what a read returns
+    is ``compact``, the header and the one vector in force (``dtype`` itself
+    without slots).
     """
 
     schema: FeatureSchema
@@ -414,7 +416,14 @@ class RecordLayout:
     valid_size: int = field(init=False)
     body_size: int = field(init=False)
     slots: int = field(init=False)
+    compact: np.dtype[Any] = field(init=False)
+    compact_size: int = field(init=False)
     _slot: tuple[tuple[str, int], ...] = field(init=False, repr=False)
+    # in_force's gather: a value's header and body as opaque items, and what each slot
+    # taken adds to the offset of the body in force (see in_force)
+    _head_body: np.dtype[Any] = field(init=False, repr=False)
+    _body_item: np.dtype[Any] = field(init=False, repr=False)
+    _steps: np.ndarray[Any, np.dtype[np.intp]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         runs = tuple(_runs(self.schema))
@@ -428,7 +437,19 @@ class RecordLayout:
         if slots:
             fields += [("until_us", "<i8"), ("from_us", "<i8", (slots,)), ("patch", body, (slots,))]
         dtype = np.dtype(fields)
+        compact = np.dtype(list(_HEADER_FIELDS) + body_fields)
         object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "compact", compact)
+        object.__setattr__(self, "compact_size", compact.itemsize)
+        body_item = np.dtype((np.void, body.itemsize))
+        object.__setattr__(self, "_body_item", body_item)
+        object.__setattr__(
+            self, "_head_body", np.dtype([("head", (np.void, HEADER_SIZE)), ("body", body_item)])
+        )
+        # the first slot taken moves the body from the vector written to patch 0, each
+        # further one by a body: offset = header + taken-mask @ steps
+        steps = [body.itemsize + 8 + 8 * slots] + [body.itemsize] * (slots - 1)
+        object.__setattr__(self, "_steps", np.asarray(steps[:slots], dtype=np.intp))
         object.__setattr__(self, "body", body)
         object.__setattr__(self, "runs", runs)
         object.__setattr__(self, "itemsize", dtype.itemsize)
@@ -524,35 +545,56 @@ class RecordLayout:
             valid[index >> 3] |= 1 << (index & 7)
         record["valid"] = np.frombuffer(bytes(valid), dtype=np.uint8)
 
-    def in_force(self, records: np.ndarray[Any, Any], now_us: int) -> np.ndarray[Any, Any]:
-        """``records`` with each one's vector in force at ``now_us`` in its body fields
-        (the records themselves when nothing scheduled has taken over)."""
-        if not self.slots or not len(records):
-            return records
-        taken = (records["from_us"] <= now_us).sum(axis=1)
-        moved = np.flatnonzero(taken)
-        if not len(moved):
-            return records
-        out = records.copy()
-        chosen = records["patch"][moved, taken[moved] - 1]
-        for name in self.body.names or ():
-            out[name][moved] = chosen[name]
+    def in_force(self, buffer: bytes, count: int, now_us: int | None) -> np.ndarray[Any, Any]:
+        """``count`` values of this layout (checked, back to back in ``buffer``) as
+        ``compact`` records, each holding the vector in force at ``now_us`` (None: the
+        one written).
+
+        Only the chosen bytes are copied, in a few NumPy calls whatever ``count``: the
+        headers through a strided view, the bodies in force with one fancy index into
+        a byte-granular view of ``buffer``; the schedule's other vectors are never
+        decoded or copied.
+        """
+        if not self.slots:
+            return np.frombuffer(buffer, dtype=self.dtype)
+        size = self.itemsize
+        out = np.empty(count, dtype=self.compact)
+        parts = out.view(self._head_body)
+        parts["head"] = np.ndarray((count,), parts.dtype["head"], buffer, 0, (size,))
+        if now_us is None:
+            parts["body"] = np.ndarray((count,), self._body_item, buffer, HEADER_SIZE, (size,))
+            return out
+        from_us = np.ndarray(
+            (count, self.slots), "<i8", buffer, HEADER_SIZE + self.body_size + 8, (size, 8)
+        )
+        # ascending from_us: the slots taken are a prefix of each row, so the dot product
+        # with the steps is the offset of the last one taken (0: the vector written)
+        chosen = np.arange(HEADER_SIZE, count * size, size) + (from_us <= now_us) @ self._steps
+        # element i: the body_size bytes from buffer[i] on (a view, no copy)
+        at_byte = np.ndarray((len(buffer) - self.body_size + 1,), self._body_item, buffer, 0, (1,))
+        parts["body"] = at_byte[chosen]
         return out
 
-    def in_force_bytes(self, raw: bytes, now_us: int) -> bytes:
-        """One value (of this layout, checked) with the vector in force at ``now_us``
-        as its first body: for a few values, cheaper than NumPy's fancy indexing."""
-        trailer = HEADER_SIZE + self.body_size
-        taken = bisect_right(struct.unpack_from(f"<{self.slots}q", raw, trailer + 8), now_us)
-        if not taken:
+    def in_force_bytes(self, raw: bytes, now_us: int | None) -> bytes:
+        """One value (of this layout, checked) as a ``compact`` record's bytes with the
+        vector in force at ``now_us`` (None: the one written): for a few values,
+        cheaper than NumPy."""
+        if not self.slots:
             return raw
-        start = trailer + 8 + 8 * self.slots + (taken - 1) * self.body_size
-        return raw[:HEADER_SIZE] + raw[start : start + self.body_size] + raw[trailer:]
+        taken = 0
+        if now_us is not None:
+            trailer = HEADER_SIZE + self.body_size
+            taken = bisect_right(struct.unpack_from(f"<{self.slots}q", raw, trailer + 8), now_us)
+        if not taken:
+            return raw[: self.compact_size]
+        start = HEADER_SIZE + self.body_size + 8 * (1 + self.slots) + (taken - 1) * self.body_size
+        return raw[:HEADER_SIZE] + raw[start : start + self.body_size]
 
-    def body_at(self, raw: bytes, now_us: int) -> bytes:
-        """The body (values and bitmap) of one value in force at ``now_us``."""
+    def body_at(self, raw: bytes, now_us: int | None) -> bytes:
+        """The body (values and bitmap) of one value in force at ``now_us`` (None: the
+        one written)."""
         start = HEADER_SIZE
-        if self.slots:
+        if self.slots and now_us is not None:
             trailer = HEADER_SIZE + self.body_size
             froms = np.frombuffer(raw, dtype="<i8", count=self.slots, offset=trailer + 8)
             taken = int((froms <= now_us).sum())
@@ -588,7 +630,8 @@ class Decoded:
     """Values of one lookup decoded into the reader's record layout.
 
     Attributes:
-        records: One record per found entity (reader layout).
+        records: One record per found entity, in the reader's ``compact`` layout
+            (header and the vector in force at the read time; no schedule).
         rows: For each record, the index of its id in the request.
         deleted: Indices of ids whose key holds a tombstone.
         needs: ``(version, fingerprint)`` of schema versions to fetch from the
@@ -623,7 +666,7 @@ class RecordReader:
         self.schema = schema
         self.layout = layout
         self.record = RecordLayout(schema)
-        self._empty = np.zeros(0, dtype=self.record.dtype)
+        self._empty = np.zeros(0, dtype=self.record.compact)
         self._prefix = _HEADER.pack(
             MAGIC,
             FORMAT_VERSION,
@@ -638,19 +681,9 @@ class RecordReader:
             full[-1] = (1 << (n % 8)) - 1
         self._full_valid = bytes(full)
         self._full_valid_array = np.frombuffer(self._full_valid, dtype=np.uint8)
-        # the fixed 12 header bytes, as two integers, for a vectorised check
-        self._head_dtype = np.dtype(
-            {
-                "names": ["h1", "h2"],
-                "formats": ["<u8", "<u4"],
-                "offsets": [0, 8],
-                "itemsize": self.record.itemsize,
-            }
-        )
-        self._head = (
-            int.from_bytes(self._prefix[:8], "little"),
-            int.from_bytes(self._prefix[8:12], "little"),
-        )
+        # the fixed 12 header bytes as one opaque item, for a vectorised check
+        self._head_dtype = np.dtype((np.void, len(self._prefix)))
+        self._head = np.frombuffer(self._prefix, dtype=self._head_dtype)[0]
         # (version, fingerprint) -> the writer's RecordLayout, or the error to raise
         self._known: dict[tuple[int, int], RecordLayout | SchemaVersionError] = {
             (schema.version, schema.fingerprint): self.record
@@ -700,16 +733,15 @@ class RecordReader:
         Raises:
             SchemaVersionError: a value's schema version cannot be read safely.
         """
-        size = self.record.itemsize
-        scheduled = now_us is not None and self.record.slots > 0
+        record = self.record
+        size = record.itemsize
         if len(raws) > 8:
-            bulk = self._decode_bulk(raws, size)
+            bulk = self._decode_bulk(raws, size, now_us)
             if bulk is not None:
-                if scheduled and now_us is not None:
-                    return replace(bulk, records=self.record.in_force(bulk.records, now_us))
                 return bulk
         prefix = self._prefix
         full = self._full_valid
+        scheduled = record.slots > 0
         parts: list[bytes] = []
         rows: list[int] = []
         odd: list[int] = []
@@ -719,8 +751,8 @@ class RecordReader:
                 continue
             # the 12 header bytes before the position are fixed for a value of our version
             if len(raw) == size and raw.startswith(prefix):
-                if scheduled and now_us is not None:
-                    raw = self.record.in_force_bytes(raw, now_us)
+                if scheduled:
+                    raw = record.in_force_bytes(raw, now_us)
                 parts.append(raw)
                 rows.append(index)
                 if all_valid and not raw.endswith(full):
@@ -731,7 +763,7 @@ class RecordReader:
             if not parts:
                 return Decoded(self._empty, np.zeros(0, dtype=np.intp))
             buffer = parts[0] if len(parts) == 1 else b"".join(parts)
-            records = np.frombuffer(buffer, dtype=self.record.dtype)
+            records = np.frombuffer(buffer, dtype=record.compact)
             return Decoded(
                 records,
                 np.arange(len(rows), dtype=np.intp)
@@ -740,10 +772,12 @@ class RecordReader:
                 all_valid=all_valid,
                 complete=len(rows) == len(raws),
             )
-        records = np.frombuffer(b"".join(parts), dtype=self.record.dtype) if parts else self._empty
+        records = np.frombuffer(b"".join(parts), dtype=record.compact) if parts else self._empty
         return self._decode_odd(raws, ids, records, rows, odd, now_us)
 
-    def _decode_bulk(self, raws: Sequence[bytes | None], size: int) -> Decoded | None:
+    def _decode_bulk(
+        self, raws: Sequence[bytes | None], size: int, now_us: int | None
+    ) -> Decoded | None:
         """Many values, all of our version: checked and decoded with NumPy, no per-value
         Python. None when anything is unusual (the per-value path handles it)."""
         if None in raws:
@@ -757,10 +791,11 @@ class RecordReader:
         if set(map(len, present)) != {size}:
             return None
         buffer = b"".join(present)
-        heads = np.frombuffer(buffer, dtype=self._head_dtype)
-        if not ((heads["h1"] == self._head[0]) & (heads["h2"] == self._head[1])).all():
+        count = len(present)
+        heads = np.ndarray((count,), self._head_dtype, buffer, 0, (size,))
+        if not (heads == self._head).all():
             return None
-        records = np.frombuffer(buffer, dtype=self.record.dtype)
+        records = self.record.in_force(buffer, count, now_us)
         all_valid = bool((records["valid"] == self._full_valid_array).all())
         if rows:
             return Decoded(records, np.asarray(rows, dtype=np.intp), all_valid=all_valid)
@@ -828,26 +863,21 @@ class RecordReader:
                     )
                 )
                 continue
-            extra.append(self._translate(raw, known))
+            extra.append(self._translate(raw, known, now_us))
             rows.append(index)
         if needs:
             return Decoded(self._empty, np.zeros(0, dtype=np.intp), (), frozenset(needs))
         if extra:
-            more = np.frombuffer(b"".join(extra), dtype=self.record.dtype)
-            if now_us is not None:
-                more = self.record.in_force(more, now_us)
+            more = np.frombuffer(b"".join(extra), dtype=self.record.compact)
             records = np.concatenate([records, more]) if len(records) else more
         return Decoded(
             records, np.asarray(rows, dtype=np.intp), tuple(deleted), corrupt=tuple(corrupt)
         )
 
-    def in_force(self, records: np.ndarray[Any, Any], now_us: int) -> np.ndarray[Any, Any]:
-        """Decoded records with the vector in force at ``now_us`` in their body fields
-        (:meth:`RecordLayout.in_force`)."""
-        return self.record.in_force(records, now_us)
-
-    def _translate(self, raw: bytes, writer: RecordLayout) -> bytes:
-        """Rewrite a value of a compatible version into the reader's layout."""
+    def _translate(self, raw: bytes, writer: RecordLayout, now_us: int | None) -> bytes:
+        """A value of a compatible version as a ``compact`` record of the reader's layout,
+        with the writer's vector in force at ``now_us`` (None: the one written; for a
+        reader without slots, an older deployment that passes no read time: now)."""
         mine = self.record
         me = self.schema
         header = (
@@ -856,27 +886,9 @@ class RecordReader:
             )
             + raw[POSITION_OFFSET:HEADER_SIZE]
         )
-        if not mine.slots:  # no room for a schedule: the vector in force now
-            return header + self._body(writer.body_at(raw, time.time_ns() // 1000), writer)
-        base = self._body(raw[HEADER_SIZE : HEADER_SIZE + writer.body_size], writer)
-        until = NEVER_US
-        froms = [NEVER_US] * mine.slots
-        patches = [bytes(mine.body_size)] * mine.slots
-        if writer.slots:
-            trailer = HEADER_SIZE + writer.body_size
-            (until,) = struct.unpack_from("<q", raw, trailer)
-            theirs = struct.unpack_from(f"<{writer.slots}q", raw, trailer + 8)
-            first = trailer + 8 + 8 * writer.slots
-            for index, from_us in enumerate(theirs):
-                if from_us == NEVER_US:
-                    break
-                if index == mine.slots:  # fewer slots here: the schedule ends earlier
-                    until = from_us
-                    break
-                froms[index] = from_us
-                start = first + index * writer.body_size
-                patches[index] = self._body(raw[start : start + writer.body_size], writer)
-        return header + base + struct.pack(f"<q{mine.slots}q", until, *froms) + b"".join(patches)
+        if now_us is None and not mine.slots:
+            now_us = time.time_ns() // 1000
+        return header + self._body(writer.body_at(raw, now_us), writer)
 
     def _body(self, body: bytes, writer: RecordLayout) -> bytes:
         """One body (values and bitmap) of ``writer``'s layout in the reader's."""

@@ -104,8 +104,11 @@ class Projection:
         if self._whole is not None:
             return records[self._whole].astype(self.matrix_dtype, copy=True)
         out = np.empty((len(records), len(self.names)), dtype=self.matrix_dtype)
-        for run_field, cols, offs in self._plan:
-            out[:, cols] = records[run_field][:, offs]
+        # A float32 signalling NaN (only a corrupt value holds one: writers store NaN as
+        # missing) warns when widened to float64; it reads as missing like any NaN.
+        with np.errstate(invalid="ignore"):
+            for run_field, cols, offs in self._plan:
+                out[:, cols] = records[run_field][:, offs]
         return out
 
     def valid(self, records: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.bool_]]:

@@ -12,8 +12,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge_cache import EdgeCacheError, FeatureSchema, KeyLayout, Position
+from edge_cache import EdgeCacheError, FeatureSchema, KeyLayout, Position, Schedule
 from edge_cache.layout import (
+    HEADER_SIZE,
     FreshnessRecord,
     RecordLayout,
     RecordReader,
@@ -33,7 +34,10 @@ PROPERTY = settings(max_examples=500, deadline=None, suppress_health_check=[Heal
 def schemas(draw: st.DrawFn) -> FeatureSchema:
     dtypes = draw(st.lists(st.sampled_from(DTYPES), min_size=1, max_size=12))
     version = draw(st.integers(1, 3))
-    return FeatureSchema.of("e", {f"f{i}": d for i, d in enumerate(dtypes)}, version=version)
+    slots = draw(st.sampled_from((0, 0, 1, 3)))  # with slots: windows read as of the read time
+    return FeatureSchema.of(
+        "e", {f"f{i}": d for i, d in enumerate(dtypes)}, version=version, slots=slots
+    )
 
 
 def _value(dtype: Dtype, data: st.DataObject) -> Any:
@@ -47,10 +51,22 @@ def _value(dtype: Dtype, data: st.DataObject) -> Any:
     return data.draw(st.floats(width=width, allow_nan=True, allow_infinity=True))
 
 
+def _vector(schema: FeatureSchema, data: st.DataObject) -> dict[str, Any]:
+    return {f.name: _value(f.dtype, data) for f in schema.features if data.draw(st.booleans())}
+
+
+def _schedule(schema: FeatureSchema, data: st.DataObject) -> Schedule | None:
+    if not schema.slots:
+        return None
+    times = data.draw(st.lists(st.integers(0, 10**16), max_size=schema.slots + 1, unique=True))
+    until = data.draw(st.one_of(st.none(), st.integers(0, 2**63 - 2)))
+    return Schedule(tuple((t, _vector(schema, data)) for t in sorted(times)), until)
+
+
 def _encoded(schema: FeatureSchema, data: st.DataObject) -> bytes:
-    values = {f.name: _value(f.dtype, data) for f in schema.features if data.draw(st.booleans())}
+    values = _vector(schema, data)
     position = Position(data.draw(st.integers(0, 2**64 - 1)), data.draw(st.integers(0, 2**32 - 1)))
-    return RecordLayout(schema).encode(values, position, 1, 2)
+    return RecordLayout(schema).encode(values, position, 1, 2, _schedule(schema, data))
 
 
 @st.composite
@@ -152,3 +168,40 @@ def test_freshness_records_decode_or_raise_typed(fields: dict[Any, bytes]) -> No
         FreshnessRecord.decode("user", fields)
     except EdgeCacheError as exc:
         assert isinstance(exc, ValueError) or "freshness record" in str(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(schema=schemas().filter(lambda s: s.slots > 0), data=st.data())
+def test_scheduled_values_read_the_vector_in_force_exactly(
+    schema: FeatureSchema, data: st.DataObject
+) -> None:
+    """Whatever the schedule and the read time, one value alone (per-value path) and
+    among many (the NumPy gather) read exactly the vector the schedule has in force."""
+    layout = RecordLayout(schema)
+    reader = RecordReader(schema, LAYOUT)
+    vectors = [_vector(schema, data) for _ in range(data.draw(st.integers(1, 12)))]
+    schedules = [_schedule(schema, data) for _ in vectors]
+    raws = [
+        layout.encode(values, Position(1), 1, 2, schedule)
+        for values, schedule in zip(vectors, schedules, strict=True)
+    ]
+    # read times anywhere, and on either side of and at every take-over
+    edges = [t + d for sch in schedules if sch for t, _ in sch.patches for d in (-1, 0, 1)]
+    now_us = data.draw(
+        st.one_of(st.none(), st.integers(-1, 10**16 + 1), st.sampled_from(edges or [0]))
+    )
+    expected = []
+    for values, schedule in zip(vectors, schedules, strict=True):
+        in_force, patches = values, schedule.patches[: schema.slots] if schedule else ()
+        for from_us, patch in patches:
+            if now_us is not None and from_us <= now_us:
+                in_force = patch
+        # the vector in force encoded alone (no schedule): the bytes a read must return
+        body = layout.encode(in_force, Position(1), 1, 2)[HEADER_SIZE : layout.compact_size]
+        expected.append(body)
+    for many in (False, True):
+        picked = raws * 9 if many else raws[:1]
+        records = reader.decode(picked, list(range(len(picked))), now_us).records
+        assert records.dtype == layout.compact
+        got = [records[i : i + 1].tobytes()[HEADER_SIZE:] for i in range(len(picked))]
+        assert got == (expected * 9 if many else expected[:1])

@@ -13,10 +13,12 @@ from edge_cache import (
     InvalidValueError,
     KeyLayout,
     Position,
+    RegionSettings,
     Schedule,
     SchemaError,
     SchemaVersionError,
 )
+from edge_cache.core import LookupCore
 from edge_cache.layout import HEADER_SIZE, RecordLayout, RecordReader, encode_tombstone, to_micros
 from edge_cache.writer import WRITE_SCRIPT
 
@@ -269,6 +271,9 @@ def _read_at(
     reader: RecordReader, raws: list[bytes | None], now_us: int
 ) -> list[dict[str, object]]:
     records = reader.decode(raws, list(range(len(raws))), now_us).records
+    # what a read returns is the vector in force alone, never the schedule behind it
+    assert records.dtype == reader.record.compact
+    assert reader.record.compact_size == HEADER_SIZE + reader.record.body_size
     out = []
     for record in records:
         views, seg = record["r0"][0], record["r2"][0]
@@ -278,7 +283,6 @@ def _read_at(
                 "views": int(views) if valid & 1 else None,
                 "spend": float(record["r1"][0]) if valid & 2 else None,
                 "seg": int(seg) if valid & 4 else None,
-                "until": int(record["until_us"]),
             }
         )
     return out
@@ -303,7 +307,7 @@ def test_a_scheduled_value_reads_the_vector_in_force_at_each_read_time() -> None
         for raws in ([raw], [raw] * 12):
             got = _read_at(reader, raws, now_us)
             assert all(g == got[0] for g in got)
-            assert got[0] == {"views": views, "spend": spend, "seg": 4, "until": 9_000_000}, now_us
+            assert got[0] == {"views": views, "spend": spend, "seg": 4}, now_us
 
 
 def test_more_patches_than_slots_end_the_schedule_at_the_first_left_out() -> None:
@@ -311,12 +315,36 @@ def test_more_patches_than_slots_end_the_schedule_at_the_first_left_out() -> Non
     patches = tuple((t * 1_000_000, {"views": t}) for t in range(1, 6))
     raw = layout.encode({"views": 0}, Position(7, 1), 10, 10, Schedule(patches, None))
     reader = RecordReader(TIMED, KeyLayout())
-    got = _read_at(reader, [raw], 3_500_000)[0]
-    assert got["views"] == 3 and got["until"] == 4_000_000
+    assert _read_at(reader, [raw], 3_500_000)[0]["views"] == 3
+    until = np.frombuffer(raw, "<i8", count=1, offset=HEADER_SIZE + layout.body_size)
+    assert int(until[0]) == 4_000_000
     with pytest.raises(InvalidValueError, match="increasing times"):
         layout.encode({}, Position(7, 1), 10, 10, Schedule(((5, {}), (5, {})), None))
     with pytest.raises(InvalidValueError, match="no slots"):
         RecordLayout(MIXED).encode({}, Position(7, 1), 10, 10, SCHEDULE)
+
+
+def test_a_feature_missing_from_the_vector_in_force_reads_as_missing() -> None:
+    """The result's ``present`` follows the vector in force at the read time, not the
+    one written: a window that empties (an average with no rows) is missing, not 0."""
+    core = LookupCore(
+        "eu-west",
+        [RegionSettings(name="eu-west", redis_url="redis://h:1", residency_zone="eu")],
+        [TIMED],
+    )
+    layout = RecordLayout(TIMED)
+    raw = layout.encode(
+        {"views": 3, "spend": 2.5, "seg": 4}, Position(7, 1), 10, 1_000_000, SCHEDULE
+    )
+    for count in (1, 12):  # the per-value path and the bulk NumPy path
+        for at_us, views, spend in ((1_000_000, 3, 2.5), (3_000_000, 0, None)):
+            plan = core.plan("user", list(range(count)), None, None, at_us / 1e6)
+            decoded = plan.reader.decode([raw] * count, plan.ids, plan.at_us)
+            result = core.assemble(plan, "eu-west", decoded, 0)
+            want = {"views": views, "spend": spend, "seg": 4}
+            assert result.to_dicts() == [want] * count, (count, at_us)
+            assert result.present[:, 1].tolist() == [spend is not None] * count
+            assert np.isnan(result.values[:, 1]).all() == (spend is None)
 
 
 def test_scheduled_values_translate_between_versions_at_the_read_time() -> None:
@@ -337,6 +365,17 @@ def test_scheduled_values_translate_between_versions_at_the_read_time() -> None:
     value = RecordLayout(timed_v2).encode({"views": 3}, Position(7, 1), 10, 10, now_patch)
     decoded = mixed_reader.decode([value], [1])
     assert int(decoded.records[0]["r0"][0]) == 9
+    # A reader with fewer slots than the writer still reads the writer's whole schedule.
+    one_slot = FeatureSchema.of("user", {"views": "int64", "spend": "float32"}, slots=1)
+    narrow = RecordReader(one_slot, KeyLayout())
+    narrow.learn(2, timed_v2.fingerprint, timed_v2.to_json())
+    value = RecordLayout(timed_v2).encode({"views": 3}, Position(7, 1), 10, 10, SCHEDULE)
+    for many in (1, 12):
+        views = [
+            narrow.decode([value] * many, list(range(many)), t).records["r0"][0, 0]
+            for t in (0, 2_000_000, 3_500_000)
+        ]
+        assert views == [3, 2, 0]
 
 
 def test_slots_are_part_of_the_fingerprint_and_the_registry_document() -> None:
