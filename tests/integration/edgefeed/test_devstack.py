@@ -20,7 +20,7 @@ from aiokafka.structs import TopicPartition
 from stackhelpers import drop_slot, free_ports, read_topic, stack_settings_mapping, unique_name
 
 from edgefeed.devstack import DevStack, MissingBinaryError, PortInUseError
-from edgefeed.devstack.process import read_pid
+from edgefeed.devstack.process import read_pid, stop_pid
 from edgefeed.settings import settings_from_mapping
 
 pytestmark = pytest.mark.integration
@@ -257,7 +257,7 @@ def test_down_after_a_crash_cleans_stale_pid_files_and_spares_foreign_processes(
     finally:
         foreign.kill()
         foreign.wait()
-        os.kill(survivor.pid, signal.SIGKILL)
+        stop_pid(survivor, sig=signal.SIGKILL)  # killed and reaped, not left a zombie
 
 
 def _edgefeed(*args: str) -> subprocess.CompletedProcess[str]:
