@@ -30,7 +30,7 @@ each direction while the load ran, per 1,000 source changes.
 
     .venv/bin/python benchmarks/sites.py             # ~4 minutes
     .venv/bin/python benchmarks/sites.py --smoke     # a short run that checks it works
-    .venv/bin/python benchmarks/sites.py --phases partition            # ~7 minutes
+    .venv/bin/python benchmarks/sites.py --phases partition            # ~7 minutes (--smoke: ~2)
 """
 
 from __future__ import annotations
