@@ -166,10 +166,14 @@ def test_a_paced_snapshot_reads_in_pulses_no_faster_than_its_pace(
     ((scanned, rows),) = report.tables.items()
     assert scanned.endswith(table) and rows == 2010
     # 2,010 rows at 400/s: held between pulses (how many depends on how many chunks
-    # each pulse read: a busy machine reads more per pulse), never ahead of the pace
-    # (a busy machine can only make it slower; unpaced it reads thousands a second).
+    # each pulse read: a busy machine reads more per pulse, because a pause is a row
+    # Debezium reads while it goes on). A pulse goes only while the rows read so far
+    # leave room for a chunk at the pace, so the total stays within the pace plus
+    # what the last pulse read past it: a few chunks of 256 (unpaced, all 2,010 rows
+    # are read in about a second). Beside stress-ng one run read 2,010 in 3.9 s.
     assert report.pauses >= 1, report
-    assert report.rows_per_s is not None and report.rows_per_s <= 400 * 1.25, report
+    chunk_rows = paced.snapshot_chunk_rows
+    assert rows <= 400 * report.seconds + 4 * chunk_rows, report
     kinds = [kind for _, kind in signals(pg_conn, paced)]
     assert kinds.count("execute-snapshot") == 1
     assert kinds[-1] == "resume-snapshot"  # never left paused
