@@ -43,6 +43,7 @@ _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if p not in ("", _HERE)]
 
 import orjson  # noqa: E402
+import psycopg  # noqa: E402
 import yaml  # noqa: E402
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 from aiokafka.partitioner import DefaultPartitioner  # noqa: E402
@@ -57,6 +58,7 @@ from edgefeed.shopload import ShopLoad, apply_schema  # noqa: E402
 from pipeline.envelope import Change  # noqa: E402
 from pipeline.messages import encode_packs  # noqa: E402
 from pipeline.routing import Router  # noqa: E402
+from pipeline.settings import parse_duration_ms  # noqa: E402
 from pipeline.topics import ensure_topics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,6 +371,24 @@ def histogram_quantiles(
     return out
 
 
+def max_bucket(port: int, label: str, metric: str) -> float | None:
+    """The upper bound of the highest bucket of a histogram that holds an observation
+    (None: no observation): what the histogram can say of its maximum."""
+    samples = scrape(port, f"{metric}_bucket")
+    buckets = sorted(
+        (float("inf") if 'le="+Inf"' in k else float(k.split('le="')[1].split('"')[0]), v)
+        for k, v in samples.items()
+        if label in k
+    )
+    previous = 0.0
+    highest = None
+    for le, count in buckets:
+        if count > previous:
+            highest = le
+        previous = count
+    return highest
+
+
 class KafkaLatency(threading.Thread):
     """Commit -> Kafka of the records of a topic, measured on the side: Debezium's
     change events (Debezium's part), or the router's packs (Debezium's and the router's)."""
@@ -431,17 +451,61 @@ def cpu_seconds(stack: DevStack, app: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def scaled_windows(entities: list[dict[str, Any]], scale: float) -> list[dict[str, Any]]:
+    """The example's entities with every window ``scale`` times shorter (whole
+    milliseconds): with ``scale=360`` 30 minutes become 5 s, an hour 10 s, a day 240 s,
+    so rows leave their windows during the run and schedules run out all the time."""
+    out = []
+    for entity in entities:
+        aggregates = []
+        for feature in entity.get("aggregates", []):
+            window = feature.get("window")
+            if window is not None:
+                size_ms = max(1, round(parse_duration_ms(window["size"]) / scale))
+                feature = {**feature, "window": {**window, "size": f"{size_ms}ms"}}
+            aggregates.append(feature)
+        out.append({**entity, "aggregates": aggregates})
+    return out
+
+
+def retire_source(settings: EdgefeedSettings) -> None:
+    """Delete the connector of ``settings``' source and its replication slot (the slot
+    would otherwise hold WAL, and the connector stream a second copy of the load)."""
+    source = settings.sources[0]
+    with ConnectClient(settings.connect.url, timeout_s=30) as client:
+        client.delete(source.connector_name)
+    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the slot is busy until the task stops
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (source.effective_slot_name,))
+                return
+            except psycopg.errors.ObjectInUse:
+                time.sleep(0.2)
+            except psycopg.errors.UndefinedObject:
+                return
+
+
 def freshness(
-    settings: EdgefeedSettings, settings_file: Path, stack: DevStack, rate: float, seconds: float
+    settings: EdgefeedSettings,
+    settings_file: Path,
+    stack: DevStack,
+    rate: float,
+    seconds: float,
+    tag: str = "",
+    settle_s: float = 3.0,
 ) -> dict[str, Any]:
+    """(b) at ``rate`` for ``seconds``; then ``settle_s`` without load (the drain, and
+    with short windows the rows leaving them: renewals alone)."""
     apply_schema(settings.database.dsn())
     with ConnectClient(settings.connect.url, timeout_s=30) as client:
         deploy.apply(client, settings.database, settings.sources, wait_s=120)
     port = free_port()
     base = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run", "--loglevel", "info"]
-    stack.start_app("router", [*base, "--role", "router"], ready="Worker]: Ready", timeout_s=180)
+    router, worker = f"router{tag}", f"eu-west{tag}"
+    stack.start_app(router, [*base, "--role", "router"], ready="Worker]: Ready", timeout_s=180)
     stack.start_app(
-        "eu-west",
+        worker,
         [*base, "--region", "eu-west", "--metrics-port", str(port)],
         ready="Worker]: Ready",
         timeout_s=180,
@@ -460,9 +524,9 @@ def freshness(
         if not thread.ready.wait(timeout=90):
             raise RuntimeError(f"the side consumer of {thread.topic} did not start in 90 s")
     before = histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))["count"]
-    cpu_before = {app: cpu_seconds(stack, app) for app in ("router", "eu-west")}
+    cpu_before = {app: cpu_seconds(stack, app) for app in (router, worker)}
     result = load.run(rate, seconds)
-    time.sleep(3.0)  # drain
+    time.sleep(settle_s)  # drain (and, with short windows, the windows emptying)
     cpu = {app: cpu_seconds(stack, app) - cpu_before[app] for app in cpu_before}
     for thread in (side, routed):
         thread.stop_event.set()
@@ -470,6 +534,14 @@ def freshness(
     quantiles = histogram_quantiles(port, 'region="eu-west"', (0.5, 0.99))
     flushes = histogram_quantiles(
         port, "region-eu-west", (0.5, 0.99), metric="edgefeed_pipeline_batch_seconds"
+    )
+    renewal_lag = histogram_quantiles(
+        port, 'region="eu-west"', (0.5, 0.99), metric="edgefeed_pipeline_renewal_lag_seconds"
+    )
+    renewals = sum(
+        v
+        for k, v in scrape(port, "edgefeed_pipeline_renewals_total").items()
+        if 'region="eu-west"' in k
     )
     sizes = scrape(port, "edgefeed_pipeline_batch_size")
     batches = sum(v for k, v in sizes.items() if k.startswith("edgefeed_pipeline_batch_size_count"))
@@ -489,8 +561,16 @@ def freshness(
         "worker_mean_batch": round(changes / batches, 1) if batches else 0.0,
         # CPU per 1,000 changes written: a cost the machine's noise barely moves,
         # unlike the latencies above.
-        "router_cpu_ms_per_1000": round(1e6 * cpu["router"] / max(result.changes, 1), 1),
-        "worker_cpu_ms_per_1000": round(1e6 * cpu["eu-west"] / max(result.changes, 1), 1),
+        "router_cpu_ms_per_1000": round(1e6 * cpu[router] / max(result.changes, 1), 1),
+        "worker_cpu_ms_per_1000": round(1e6 * cpu[worker] / max(result.changes, 1), 1),
+        # windows read as of the read time: vectors written again because their
+        # schedule ran out, and how long after its end each landed in the cache
+        "renewals": renewals,
+        "renewal_lag_p50_ms": round(renewal_lag["p50_ms"], 1) if renewals else None,
+        "renewal_lag_p99_ms": round(renewal_lag["p99_ms"], 1) if renewals else None,
+        "renewal_lag_max_bucket_s": max_bucket(
+            port, 'region="eu-west"', "edgefeed_pipeline_renewal_lag_seconds"
+        ),
         "commit_to_region_topic_p50_ms": percentile(routed.samples, 0.5),
         "commit_to_region_topic_p99_ms": percentile(routed.samples, 0.99),
     }
@@ -533,6 +613,15 @@ def main() -> None:
         default="both",
         help="run only (a) throughput or (b) freshness",
     )
+    parser.add_argument(
+        "--renewals",
+        type=float,
+        default=None,
+        metavar="SCALE",
+        help="(c) after (b), the same load again with every window SCALE times shorter "
+        "(360: 30m -> 5s, 1h -> 10s), then a quiet settle while rows leave the windows: "
+        "renewal lag and freshness beside (b)'s",
+    )
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_worker:
@@ -567,6 +656,23 @@ def main() -> None:
     fresh_settings = settings_from_mapping(fresh_mapping)
     fresh_file = state / "edgefeed-fresh.yaml"
     fresh_file.write_text(yaml.safe_dump(fresh_mapping))
+    short_settings = short_file = None
+    if args.renewals is not None:
+        if args.renewals <= 1:
+            parser.error(f"--renewals {args.renewals}: the scale must be above 1 (e.g. 360)")
+        short_mapping = {
+            **fresh_mapping,
+            "entities": scaled_windows(fresh_mapping["entities"], args.renewals),
+            "pipeline": {
+                **fresh_mapping["pipeline"],
+                "app_prefix": f"bench-{tag}-short",
+                "region_topic_prefix": f"bench.{tag}.short",
+            },
+            "sources": [{**fresh_mapping["sources"][0], "name": f"bench_{tag}_short"}],
+        }
+        short_settings = settings_from_mapping(short_mapping)
+        short_file = state / "edgefeed-short.yaml"
+        short_file.write_text(yaml.safe_dump(short_mapping))
     stack = DevStack(settings, state / "stack")
     report: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
@@ -583,6 +689,37 @@ def main() -> None:
             report["freshness"] = freshness(
                 fresh_settings, fresh_file, stack, args.rate, args.seconds
             )
+        if short_settings is not None and short_file is not None:
+            # (b)'s apps, connector and slot: (c) runs alone beside the same stack
+            for app in ("router", "eu-west"):
+                stack.stop_app(app)
+            retire_source(fresh_settings)
+            # the settle lets the rows leave the windows of up to 15 s (the longer ones
+            # would make the run long); schedules run out all along the way
+            longest_s = (
+                max(
+                    (
+                        a.window.size_ms
+                        for e in short_settings.entities
+                        for a in e.aggregates
+                        if a.window is not None and a.window.size_ms <= 15_000
+                    ),
+                    default=0,
+                )
+                / 1000
+            )
+            report["renewals"] = {
+                "scale": args.renewals,
+                **freshness(
+                    short_settings,
+                    short_file,
+                    stack,
+                    args.rate,
+                    args.seconds,
+                    tag="-short",
+                    settle_s=longest_s + 5.0,
+                ),
+            }
     finally:
         stack.down()
         if not os.environ.get("EDGEFEED_BENCH_KEEP"):
@@ -606,6 +743,8 @@ def main() -> None:
             f"    (mean batch {t.get('mean_batch', 0):.0f} events; share of time in the "
             f"agent's own work {t.get('busy_share', 0):.0%})"
         )
+    if "renewals" in report:
+        print_renewals(report)
     if "freshness" not in report:
         return
     f = report["freshness"]
@@ -634,6 +773,31 @@ def main() -> None:
         f"p50 {f['commit_to_region_topic_p50_ms']:.0f} ms, "
         f"p99 {f['commit_to_region_topic_p99_ms']:.0f} ms"
     )
+
+
+def print_renewals(report: dict[str, Any]) -> None:
+    r, b = report["renewals"], report.get("freshness")
+    print(
+        f"(c) windows {r['scale']:g}x shorter, {r['rate_written']:.0f} changes/s for "
+        f"{r['seconds']}s, then quiet: {r['renewals']:.0f} renewals"
+    )
+    if r["renewals"]:
+        print(
+            f"    renewal lag (schedule end -> renewal in Redis): p50 {r['renewal_lag_p50_ms']:.0f}"
+            f" ms, p99 {r['renewal_lag_p99_ms']:.0f} ms, highest bucket <= "
+            f"{r['renewal_lag_max_bucket_s']} s"
+        )
+    line = (
+        f"    commit -> Redis: p50 {r['commit_to_redis_p50_ms']:.0f} ms, "
+        f"p99 {r['commit_to_redis_p99_ms']:.0f} ms"
+    )
+    if b:
+        line += (
+            f" (x{r['commit_to_redis_p99_ms'] / b['commit_to_redis_p99_ms']:.2f} of (b)'s p99);"
+            f" worker CPU per 1,000 changes {r['worker_cpu_ms_per_1000']:.0f} ms"
+            f" (x{r['worker_cpu_ms_per_1000'] / b['worker_cpu_ms_per_1000']:.2f})"
+        )
+    print(line)
 
 
 if __name__ == "__main__":

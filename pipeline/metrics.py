@@ -134,7 +134,21 @@ class PipelineMetrics:
                 "From the end of a vector's schedule to its renewal in the cache: how long "
                 "a read could see the schedule's last vector past its time",
                 ["region"],
-                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0),
+                buckets=(
+                    0.001,
+                    0.0025,
+                    0.005,
+                    0.01,
+                    0.05,
+                    0.1,
+                    0.25,
+                    0.5,
+                    1.0,
+                    2.0,
+                    5.0,
+                    10.0,
+                    30.0,
+                ),
                 registry=registry,
             ),
         )

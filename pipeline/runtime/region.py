@@ -464,7 +464,7 @@ class RegionRuntime:
             now_us = self._now_us()
             ops: list[Upsert | Delete] = []
             keys: list[str] = []
-            lags: list[float] = []
+            untils: list[int] = []
             while self._renewals and self._renewals[0][0] <= now_us and len(ops) < RENEW_SLICE:
                 until, key = heapq.heappop(self._renewals)
                 if self._renew_at.get(key) != until:
@@ -478,12 +478,14 @@ class RegionRuntime:
                     self.engine.engine(entity_type).write_op(entity_id, state, now_us // 1000)
                 )
                 keys.append(key)
-                lags.append((now_us - until) / 1e6)
+                untils.append(until)
             if ops:
                 await self._write(ops, keys, again=True)
                 self._renewed.inc(len(ops))
-                for lag in lags:
-                    self._renewal_lag.observe(max(0.0, lag))
+                # the lag ends when the renewal is in the cache, not when it was computed
+                written_us = self._now_us()
+                for until in untils:
+                    self._renewal_lag.observe(max(0.0, (written_us - until) / 1e6))
             return len(ops)
 
     def _quarantine(self, key: str, exc: BaseException) -> None:

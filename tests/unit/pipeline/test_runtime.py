@@ -281,6 +281,7 @@ class Clock:
 
 def make_runtime(
     partition_of: Any = lambda key: 0,
+    registry: CollectorRegistry | None = None,
 ) -> tuple[RegionRuntime, Journal, FakeCache, FakeChangelog, FakeDeadLetters, Clock]:
     journal, clock = Journal(), Clock()
     cache, changelog, dead = FakeCache(journal), FakeChangelog(journal), FakeDeadLetters()
@@ -298,7 +299,7 @@ def make_runtime(
         changelog=changelog,
         dead_letters=dead,
         acker=FakeAcker(journal),
-        metrics=PipelineMetrics.create(CollectorRegistry()),
+        metrics=PipelineMetrics.create(registry or CollectorRegistry()),
         policy=BatchPolicy(max_changes=1000, within_s=0.02, catch_up=2.0),
         checkpoint_interval_s=1.0,
         on_fatal=on_fatal,
@@ -611,6 +612,34 @@ async def test_a_vector_is_written_again_when_its_schedule_runs_out() -> None:
     assert renewed.values == engine.vector(runtime.live["user:7"], until // 1000)
     assert renewed.values["views_30m"] < 8  # the oldest views left the window
     assert renewed.schedule is not None and renewed.schedule.until_us != until
+
+
+async def test_the_renewal_lag_runs_until_the_renewal_is_in_the_cache() -> None:
+    """edgefeed_pipeline_renewal_lag_seconds is how long a read could see a schedule's
+    last vector past its time: it ends when the renewal lands, so a slow cache write
+    counts (it was measured from when the renewal was computed)."""
+    registry = CollectorRegistry()
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime(registry=registry)
+    views = [view(i, 7, 10 + i, T0 - i * 60_000) for i in range(8)]
+    await runtime.on_message(Delivery(0, 1), pack(*views))
+    clock.now += 0.05
+    await runtime.tick()
+    first = cache.ops["user:7"]
+    assert isinstance(first, Upsert) and first.schedule is not None
+    until = first.schedule.until_us
+    assert until is not None
+    clock.now += (until / 1e6 - runtime.wall()) + 0.25  # the duty runs 0.25 s late
+    cache.gate, cache.entered = asyncio.Event(), asyncio.Event()
+    duty = asyncio.create_task(runtime.tick())
+    await asyncio.wait_for(cache.entered.wait(), 2.0)
+    clock.now += 2.0  # the cache takes 2 s to take the renewal
+    cache.gate.set()
+    await asyncio.wait_for(duty, 2.0)
+    assert cache.writes[-1] == (["user:7"], False)
+    labels = {"region": "eu-west"}
+    assert registry.get_sample_value("edgefeed_pipeline_renewal_lag_seconds_count", labels) == 1
+    lag = registry.get_sample_value("edgefeed_pipeline_renewal_lag_seconds_sum", labels)
+    assert lag == pytest.approx(2.25, abs=0.01)
 
 
 async def test_after_recovery_every_vector_with_windows_is_renewed() -> None:
