@@ -114,6 +114,22 @@ def _media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
 
+# A plain .npy or raw body this small decodes in tens of microseconds (a header and
+# one copy): less than handing it to a thread and back, which cost about as much as
+# the decode itself at 64 clients (docs/benchmarks.md, the serving peers).
+INLINE_DECODE_MAX_BYTES = 64 * 1024
+
+
+def decodes_inline(body: bytes, content_type: str | None) -> bool:
+    """Whether :func:`decode_array` of this body is cheap enough for the event loop:
+    an uncompressed ``.npy`` or raw tensor of at most :data:`INLINE_DECODE_MAX_BYTES`.
+    Envelopes (Brotli, WebP) and larger bodies go to a thread."""
+    return len(body) <= INLINE_DECODE_MAX_BYTES and _media_type(content_type) in (
+        NPY_TYPE,
+        RAW_TYPE,
+    )
+
+
 def decode_array(
     body: bytes,
     content_type: str | None,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workers.exceptions import InvalidTensorError
-from workers.inputs import InputSpec, decode_array
+from workers.inputs import InputSpec, decode_array, decodes_inline
 from workers.models.base import Prepared, ServedModel, require_finite
 from workers.models.config import PlainConfig
 
@@ -137,11 +137,14 @@ class TensorModel(ServedModel):
         max_bytes: int | None = None,
     ) -> Prepared:
         spec = InputSpec(self.row_shape, self.dtype.name, max_rows, self.name)
-        # Decoding (Brotli, WebP, .npy) runs in a thread: the event loop keeps
-        # answering other requests while a large body is decoded.
-        array = await asyncio.to_thread(
-            decode_array, body, content_type, dict(headers), max_bytes=max_bytes, spec=spec
-        )
+        if decodes_inline(body, content_type):  # a small plain tensor: cheaper than a hop
+            array = decode_array(body, content_type, headers, max_bytes=max_bytes, spec=spec)
+        else:
+            # Decoding (Brotli, WebP, a large .npy) runs in a thread: the event loop
+            # keeps answering other requests while the body is decoded.
+            array = await asyncio.to_thread(
+                decode_array, body, content_type, dict(headers), max_bytes=max_bytes, spec=spec
+            )
         rows = self._rows_of(array, max_rows)
         return Prepared(inputs=(np.ascontiguousarray(rows),), rows=int(rows.shape[0]))
 

@@ -143,13 +143,15 @@ async def test_a_megabyte_item_id_is_not_echoed_back() -> None:
             assert "error" in _strict_json(text)
 
 
-async def test_request_bodies_are_decoded_off_the_event_loop(
+async def test_large_bodies_are_decoded_off_the_event_loop_small_plain_ones_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A large or hostile body must not stall every other request on the loop."""
+    """A large or hostile body must not stall every other request on the loop; a small
+    plain tensor is decoded on it (the thread hop cost as much as its decode)."""
     import threading
 
     import workers.models.classifier as classifier
+    from workers.inputs import INLINE_DECODE_MAX_BYTES
 
     threads: list[threading.Thread] = []
     real = classifier.decode_array
@@ -159,15 +161,21 @@ async def test_request_bodies_are_decoded_off_the_event_loop(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(classifier, "decode_array", recording)
-    model = TensorModel("reciprocal", _Reciprocal(), (2,), "float32")
-    async with (
-        InferenceServer([model]) as server,
-        aiohttp.ClientSession() as http,
-        http.post(
-            f"{server.url}/v1/models/reciprocal/infer",
-            data=encode_npy(np.array([[1.0, 2.0]], np.float32)),
-            headers={"Content-Type": NPY_TYPE},
-        ) as response,
-    ):
-        assert response.status == 200
-    assert threads and threads[0] is not threading.main_thread()
+    width = INLINE_DECODE_MAX_BYTES // 4 + 64  # one float32 row: a body over the limit
+    small = TensorModel("reciprocal", _Reciprocal(), (2,), "float32")
+    large = TensorModel("wide", _Reciprocal(), (width,), "float32")
+    bodies = {
+        "reciprocal": encode_npy(np.array([[1.0, 2.0]], np.float32)),
+        "wide": encode_npy(np.ones((1, width), np.float32)),
+    }
+    assert len(bodies["reciprocal"]) <= INLINE_DECODE_MAX_BYTES < len(bodies["wide"])
+    async with InferenceServer([small, large]) as server, aiohttp.ClientSession() as http:
+        for name, body in bodies.items():
+            async with http.post(
+                f"{server.url}/v1/models/{name}/infer",
+                data=body,
+                headers={"Content-Type": NPY_TYPE},
+            ) as response:
+                assert response.status == 200, await response.text()
+    assert threads[0] is threading.main_thread()
+    assert threads[1] is not threading.main_thread()
