@@ -11,12 +11,18 @@
     generator, with Debezium, the router and one regional worker on this
     machine; beside it, in the same run, Debezium's own part: commit -> Kafka
     (the change record's timestamp minus its source commit time).
+(c) With ``--renewals SCALE``, after (b): the same load again through a new
+    connector, router and worker whose windows are all SCALE times shorter,
+    then a quiet settle while rows leave them: how long after a schedule's end
+    its renewal lands in Redis (the error bound of windows read as of the
+    read time), beside the same run's freshness and worker CPU.
 
 Everything runs on the real local stack (started here on free ports and
 stopped at the end).
 
     .venv/bin/python benchmarks/pipeline.py            # full run, ~3 minutes
     .venv/bin/python benchmarks/pipeline.py --smoke    # a short run that checks it works
+    .venv/bin/python benchmarks/pipeline.py --part b --renewals 360   # (b), then (c), ~2 min
 """
 
 from __future__ import annotations
