@@ -30,11 +30,11 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 try:
     from aiohttp import web
@@ -73,7 +73,15 @@ from workers.timing import (
     ServerTiming,
 )
 
-__all__ = ["InferenceServer", "ServerConfig", "run_server"]
+__all__ = [
+    "EventLoop",
+    "InferenceServer",
+    "ServerConfig",
+    "event_loop_name",
+    "loop_factory",
+    "run_on_loop",
+    "run_server",
+]
 
 log = logging.getLogger(__name__)
 
@@ -659,6 +667,59 @@ class InferenceServer:
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
+
+
+EventLoop = Literal["auto", "uvloop", "asyncio"]
+"""Which event loop serves: see :func:`loop_factory`."""
+
+_T = TypeVar("_T")
+
+
+def loop_factory(kind: EventLoop = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a worker runs on (None: asyncio's own).
+
+    ``auto`` takes uvloop when it is installed: the worker's event loop is its
+    bottleneck under load (HTTP, feature lookups, batching and rendering all run
+    on it), and uvloop's libuv loop costs ~10% less CPU per ranking request than
+    asyncio's selector loop (docs/benchmarks.md, "Serving overhead"). uvicorn,
+    and so LitServe, make the same choice.
+
+    Raises:
+        WorkerConfigError: ``uvloop`` was asked for and is not installed.
+    """
+    if kind == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if kind == "uvloop":
+            raise WorkerConfigError(
+                "event_loop 'uvloop' is asked for but uvloop is not installed; "
+                "pip install 'edgefeed[workers]' (or uvloop), or set event_loop to auto or asyncio"
+            ) from None
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def event_loop_name(kind: EventLoop = "auto") -> str:
+    """``uvloop`` or ``asyncio``: what :func:`run_on_loop` with ``kind`` runs on."""
+    return "asyncio" if loop_factory(kind) is None else "uvloop"
+
+
+def run_on_loop(main: Coroutine[Any, Any, _T], kind: EventLoop = "auto") -> _T:
+    """Run ``main`` to completion on a new event loop of ``kind`` (like ``asyncio.run``).
+
+    Raises:
+        WorkerConfigError: see :func:`loop_factory` (``main`` is closed unrun).
+    """
+    try:
+        factory = loop_factory(kind)
+    except WorkerConfigError:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
 
 
 async def run_server(server: InferenceServer, on_ready: Any = None) -> None:

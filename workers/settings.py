@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,6 +25,13 @@ class WorkerSettings(BaseSettings):
     token comes from ``EDGEFEED_WORKERS_AUTH_TOKEN`` or from the file named by
     ``auth_token_file`` (``EDGEFEED_WORKERS_AUTH_TOKEN_FILE``, ``--auth-token-file``),
     not both.
+
+    ``max_batch_size`` left unset takes the served model's
+    :attr:`~workers.models.base.ServedModel.default_max_batch_size` (32 rows; 256
+    for the ranker, whose rows are a few hundred bytes of features each).
+    ``event_loop``: ``auto`` runs the server on uvloop when it is installed (it
+    is a dependency of the ``workers`` extra on Linux and macOS), else on asyncio's
+    own loop; ``uvloop`` insists on it; ``asyncio`` never uses it.
     """
 
     model_config = SettingsConfigDict(env_prefix="EDGEFEED_WORKERS_", extra="forbid", frozen=True)
@@ -34,7 +42,7 @@ class WorkerSettings(BaseSettings):
     precision: str = "auto"
     compile: CompileMode = "auto"
     cpu_threads: int | None = Field(default=None, ge=1)
-    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_ms: float = Field(default=2.0, ge=0)
     adaptive_delay: bool = True
@@ -48,16 +56,21 @@ class WorkerSettings(BaseSettings):
     keepalive_timeout_s: float = Field(default=15.0, gt=0)
     inline_forward_ms: float = Field(default=1.0, ge=0)
     gc_freeze: bool = True
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     auth_token: SecretStr | None = None
     auth_token_file: Path | None = None
     auth_protect_probes: bool = False
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
 
-    def batching(self) -> BatchingConfig:
-        """The batcher's view."""
+    def batch_rows(self, model_default: int = 32) -> int:
+        """Rows per forward pass: the setting, else the served model's default."""
+        return self.max_batch_size if self.max_batch_size is not None else model_default
+
+    def batching(self, model_default: int = 32) -> BatchingConfig:
+        """The batcher's view (``model_default``: the served model's batch rows)."""
         return BatchingConfig(
-            max_batch_size=self.max_batch_size,
+            max_batch_size=self.batch_rows(model_default),
             preferred_batch_sizes=tuple(self.preferred_batch_sizes),
             max_queue_delay_s=self.max_queue_delay_ms / 1e3,
             adaptive_delay=self.adaptive_delay,
@@ -68,13 +81,13 @@ class WorkerSettings(BaseSettings):
             ),
         )
 
-    def runtime(self) -> RuntimeConfig:
-        """The runner's view."""
+    def runtime(self, model_default: int = 32) -> RuntimeConfig:
+        """The runner's view (``model_default``: the served model's batch rows)."""
         return RuntimeConfig(
             device=self.device,
             precision=self.precision,
             compile=self.compile,
-            max_batch_rows=self.max_batch_size,
+            max_batch_rows=self.batch_rows(model_default),
             cpu_threads=self.cpu_threads,
         )
 

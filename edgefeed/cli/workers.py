@@ -185,11 +185,14 @@ def serve(
         Path | None, typer.Option(help="PEM certificate chain: serve HTTPS (with --tls-key).")
     ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert.")] = None,
+    event_loop: Annotated[
+        str | None, typer.Option(help="auto (uvloop when installed), uvloop or asyncio.")
+    ] = None,
 ) -> None:
     """Serve one model over HTTP until SIGINT/SIGTERM, then drain."""
     from prometheus_client import CollectorRegistry
 
-    from workers.server import InferenceServer, run_server
+    from workers.server import InferenceServer, event_loop_name, run_on_loop, run_server
 
     settings = _worker_settings(
         host=host,
@@ -204,6 +207,7 @@ def serve(
         auth_token_file=auth_token_file,
         tls_cert_file=tls_cert,
         tls_key_file=tls_key,
+        event_loop=event_loop,
     )
     # the composition root: one registry for the worker's and its lookup client's metrics
     registry = CollectorRegistry()
@@ -220,11 +224,12 @@ def serve(
         registry=registry,
         concurrency=settings.max_queue_size,
     )
+    rows = served.default_max_batch_size
     server = run_reported(
         lambda: InferenceServer(
             [served],
-            runtime=settings.runtime(),
-            batching=settings.batching(),
+            runtime=settings.runtime(rows),
+            batching=settings.batching(rows),
             config=settings.server(region),
             registry=registry,
         )
@@ -238,15 +243,18 @@ def serve(
         if on
     )
 
+    loop_name = run_reported(lambda: event_loop_name(settings.event_loop))
+
     def announce(running: InferenceServer) -> None:
         err_console.print(
             f"serving {model!r} for region {region!r} at {running.url} "
-            f"(warm-up ms per batch size: {running.warmup_ms[model]}"
+            f"(warm-up ms per batch size: {running.warmup_ms[model]}; "
+            f"{running.batching.max_batch_size} rows per batch; event loop {loop_name}"
             f"{'; ' + security if security else ''})",
             soft_wrap=True,
         )
 
-    run_reported(lambda: asyncio.run(run_server(server, announce)))
+    run_reported(lambda: run_on_loop(run_server(server, announce), settings.event_loop))
 
 
 def print_bench(summary: dict[str, Any], title: str) -> None:
@@ -332,10 +340,11 @@ async def _bench_local(
 ) -> dict[str, Any]:
     from workers.server import InferenceServer
 
+    rows = served.default_max_batch_size
     async with InferenceServer(
         [served],
-        runtime=settings.runtime(),
-        batching=settings.batching(),
+        runtime=settings.runtime(rows),
+        batching=settings.batching(rows),
         config=settings.server(region),
     ) as server:
         return await _bench(server.url, served.name, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -68,11 +68,14 @@ class ServedModel(ABC):
         version: Model version, reported in every response (model consistency
             across regions is checked by comparing it).
         module: The fp32 CPU ``torch.nn.Module``; the runner moves and casts it.
+        default_max_batch_size: Rows per forward pass when the worker's settings
+            name none (``max_batch_size``); also the most rows one request may carry.
     """
 
     name: str
     version: str
     module: torch.nn.Module
+    default_max_batch_size: ClassVar[int] = 32
 
     @abstractmethod
     async def parse(

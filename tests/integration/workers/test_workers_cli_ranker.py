@@ -85,6 +85,8 @@ async def test_seed_demo_then_serve_ranker_from_the_region_cache(
         assert process.stderr is not None
         line = process.stderr.readline()
         assert "serving 'ranker' for region 'eu-west'" in line, line
+        # The ranker's own batch default (its rows are tiny) and the worker's loop.
+        assert "256 rows per batch; event loop uvloop" in line, line
         url = line.split(" at ", 1)[1].split()[0]
         status, body, headers = _post_json(
             f"{url}/v1/models/ranker/infer", {"user_id": "u3", "item_ids": ["i1", "i2", "i3"]}
@@ -92,6 +94,13 @@ async def test_seed_demo_then_serve_ranker_from_the_region_cache(
         assert status == 200, body
         assert len(body["scores"]) == 3  # type: ignore[arg-type]
         assert float(headers["X-Edgefeed-T-Data-Ms"]) > 0
+        # 100 candidates in one request: refused at the old default of 32 rows.
+        many = [f"i{i}" for i in range(100)]
+        status, body, _ = _post_json(
+            f"{url}/v1/models/ranker/infer", {"user_id": "u3", "item_ids": many}
+        )
+        assert status == 200, body
+        assert [entry["item_id"] for entry in body["ranking"]].count("i99") == 1  # type: ignore[union-attr]
         status, body, _ = _post_json(
             f"{url}/v1/models/ranker/infer", {"user_id": "nobody", "item_ids": ["i1"]}
         )
