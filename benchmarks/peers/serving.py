@@ -256,6 +256,15 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _edgefeed_loop() -> str:
+    from importlib.metadata import version
+
+    from workers.server import event_loop_name
+
+    name = event_loop_name("auto")
+    return f"uvloop {version('uvloop')}" if name == "uvloop" else name
+
+
 def _peer_versions(kind: str) -> dict[str, str]:
     freeze = VENVS[kind] / "freeze.txt"
     if not freeze.exists():
@@ -284,6 +293,8 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "torch": torch.__version__,
         "aiohttp": _aiohttp.__version__,
         "numpy": np.__version__,
+        # the worker's loop (event_loop: auto): uvloop and its version when installed
+        "event_loop": _edgefeed_loop(),
     }
     for kind in args.servers:
         if kind != "edgefeed":

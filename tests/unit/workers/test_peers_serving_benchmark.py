@@ -63,6 +63,7 @@ def test_smoke_run_serves_both_models_and_reports_every_figure(tmp_path: Path) -
     ranker_rows = report["results"]["ranker"]["1"]["edgefeed"]["server_terms"]["batch_rows_mean"]
     assert ranker_rows >= serving.RANKER_ITEMS
     assert report["versions"]["edgefeed"]["torch"].startswith("2.13.0")
+    assert report["versions"]["edgefeed"]["event_loop"].startswith("uvloop ")
     assert report["configs"]["edgefeed"]["ranker"]["max_batch_size_rows"] == 64
 
 
