@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/serving.py                       # ~1 min
     .venv/bin/python benchmarks/serving.py --baseline-ref main   # the tree to compare with
     .venv/bin/python benchmarks/serving.py --smoke               # seconds; the test suite runs it
+    .venv/bin/python benchmarks/serving.py --rate 600            # the same 8 clients, paced
 
 What it runs, all on loopback:
 
@@ -15,7 +16,9 @@ What it runs, all on loopback:
   temporary folder ("before"; skipped with ``--baseline-ref ''``);
 * a closed loop of ``--concurrency`` clients (8, as ``make demo``) sending
   ranking requests of 20 candidates, rounds alternating between the two
-  workers so a neighbour's burst on this shared machine falls on both.
+  workers so a neighbour's burst on this shared machine falls on both;
+  with ``--rate R`` the clients are paced to R requests/s in all (still at
+  most ``--concurrency`` in flight), to read T_service below saturation.
 
 It reports T_service, T_data, T_model and T_total p50/p95/p99 per worker (from
 the response headers, as every client sees them), the ratios after/before, and
@@ -182,7 +185,9 @@ class Worker:
                 self.process.wait()
 
 
-async def _load(url: str, concurrency: int, requests: int, detail: bool) -> LoadResult:
+async def _load(
+    url: str, concurrency: int, requests: int, detail: bool, rate: float | None = None
+) -> LoadResult:
     world = click_world()
     headers = {HEADER_TIMING_DETAIL: "1"} if detail else None
 
@@ -196,7 +201,12 @@ async def _load(url: str, concurrency: int, requests: int, detail: bool) -> Load
 
     async with WorkerClient(url) as client:
         return await closed_loop(
-            client, send, concurrency=concurrency, requests=requests, warmup_requests=concurrency
+            client,
+            send,
+            concurrency=concurrency,
+            requests=requests,
+            warmup_requests=concurrency,
+            rate=rate,
         )
 
 
@@ -267,8 +277,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=1500, help="measured per round")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="pace the clients to this many requests/s (default: closed loop, as fast as answered)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
     args = parser.parse_args()
+    if args.rate is not None and not args.rate > 0:
+        parser.error(f"--rate {args.rate} must be a positive number of requests per second")
     # SIGTERM (a timeout, CI) unwinds like Ctrl-C: workers, redis-server and files go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.smoke:
@@ -323,7 +341,13 @@ def main() -> None:
                     for name, worker in workers.items():
                         used = worker.cpu_s()
                         result = asyncio.run(
-                            _load(worker.url, args.concurrency, args.requests, name != "before")
+                            _load(
+                                worker.url,
+                                args.concurrency,
+                                args.requests,
+                                name != "before",
+                                args.rate,
+                            )
                         )
                         cpu[name] += worker.cpu_s() - used
                         parts[name].append(result)
@@ -361,8 +385,9 @@ def main() -> None:
             for q in ("p50", "p95", "p99")
         }
         print(f"  T_service after/before: {report['ratios_after_over_before']}")
+    offered = f"paced to {args.rate:g} req/s" if args.rate else "closed loop, unpaced"
     print(
-        f"  target (T_service p50 < 1 ms, p99 < 5 ms): "
+        f"  target (T_service p50 < 1 ms, p99 < 5 ms; {offered}): "
         f"{'met' if report['target_met'] else 'MISSED'}"
     )
     report["load_average_at_end"] = os.getloadavg()

@@ -2,7 +2,10 @@
 
 ``concurrency`` clients each send a request, wait for the answer, and send the
 next (a closed loop, as in Triton's perf_analyzer): throughput and latency
-then reflect what the worker sustains, not what the generator offers.
+then reflect what the worker sustains, not what the generator offers. With a
+``rate``, the same clients are paced: request ``n`` goes no earlier than
+``n / rate`` seconds after the start, so latency can be read below saturation
+too (still at most ``concurrency`` in flight).
 """
 
 from __future__ import annotations
@@ -85,12 +88,21 @@ async def closed_loop(
     concurrency: int,
     requests: int,
     warmup_requests: int = 0,
+    rate: float | None = None,
 ) -> LoadResult:
     """Run ``requests`` requests from ``concurrency`` closed-loop clients.
 
     ``make_request(client, n)`` sends request number ``n``. Warm-up requests
-    run first and are not measured.
+    run first and are not measured. ``rate`` (requests/s; None: as fast as
+    answers come) paces the clients: request ``n`` waits for its slot,
+    ``n / rate`` seconds after the measured phase began. A worker slower than
+    ``rate`` makes it a plain closed loop again.
+
+    Raises:
+        ValueError: ``rate`` is not a positive number.
     """
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate {rate!r} must be a positive number of requests per second")
     if warmup_requests:
         # Not measured: a failed warm-up request (a busy machine's timeout) must not end the run.
         await asyncio.gather(
@@ -105,6 +117,10 @@ async def closed_loop(
 
     async def loop() -> None:
         for n in counter:
+            if rate is not None:
+                wait = start + n / rate - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
             try:
                 answer = await make_request(client, n)
             except WorkerResponseError as exc:

@@ -17,7 +17,7 @@ from workers.inputs import NPY_TYPE, encode_npy
 from workers.models import load_served_model
 from workers.server import InferenceServer, ServerConfig
 from workers.synthetic import shape_images
-from workers.timing import ServerTiming
+from workers.timing import LatencyBreakdown, ServerTiming
 
 IMAGES = shape_images(8, seed=2)[0]
 
@@ -105,3 +105,36 @@ async def test_closed_loop_reports_all_four_terms() -> None:
     assert np.isclose(
         np.median(result.values_ms("total")), summary["latency_ms"]["total"]["p50"], atol=1e-3
     )  # type: ignore[index]
+
+
+async def test_a_paced_loop_sends_no_request_before_its_slot() -> None:
+    sent: dict[int, float] = {}
+    in_flight = peak = 0
+
+    async def send(c: WorkerClient, n: int) -> InferenceAnswer:
+        nonlocal in_flight, peak
+        sent[n] = time.perf_counter()
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0)
+        in_flight -= 1
+        return InferenceAnswer(body={}, latency=LatencyBreakdown(0.0, 0.0, 0.0, 0.0), batch_rows=1)
+
+    began = time.perf_counter()
+    result = await closed_loop(None, send, concurrency=4, requests=20, rate=200.0)  # type: ignore[arg-type]
+    assert len(result.latencies) == 20 and sorted(sent) == list(range(20))
+    # Request n waits for its slot, n / rate after the start (5 ms apart here):
+    # unpaced, all 20 would go within a millisecond.
+    for n, at in sent.items():
+        assert at - began >= n / 200.0 - 0.002, (n, at - began)
+    assert result.elapsed_s >= 19 / 200.0 - 0.002
+    assert peak <= 4
+
+
+async def test_a_rate_that_is_not_positive_is_refused() -> None:
+    async def send(c: WorkerClient, n: int) -> InferenceAnswer:
+        raise AssertionError("nothing may be sent")
+
+    for rate in (0.0, -5.0, float("nan")):
+        with pytest.raises(ValueError, match="must be a positive number"):
+            await closed_loop(None, send, concurrency=1, requests=1, rate=rate)  # type: ignore[arg-type]
