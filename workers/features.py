@@ -8,11 +8,22 @@ features, NaN where missing) and a boolean mask of the missing cells.
 :class:`edge_cache.AsyncFeatureClient` (one ``MGET`` per lookup, failover to
 the region's fallbacks within the entity's residency zone, circuit breakers)
 and turns the edge cache's errors into worker errors.
+
+Lookups are coalesced: :class:`EdgeCacheFeatureSource` holds a lookup for a
+few event loop turns, and answers every lookup asked for meanwhile with one
+lookup per entity (the union of their ids, each id read once) instead of one
+round trip per request and entity. A turn of an idle loop takes microseconds,
+so a lone request pays next to nothing; under load turns are longer and more
+requests join (on the ranker's benchmark, 2 requests per ``MGET`` at
+saturation). Per request, the answer is what its own lookup would have
+returned: its rows, in its order, with its mask; an error reaches every
+request of the lookup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,7 +43,11 @@ from workers.exceptions import FeatureLookupError, QueueFullError
 __all__ = ["LOOKUPS_PER_REQUEST", "EdgeCacheFeatureSource", "FeatureSource", "pool_size"]
 
 #: Concurrent lookups one ranking request makes (its user and its items, gathered).
+#: Coalesced requests share them, so this bounds what a request can need.
 LOOKUPS_PER_REQUEST = 2
+
+_Group = tuple[str, tuple[str, ...] | None]
+_Waiter = tuple[Sequence[str], "asyncio.Future[tuple[np.ndarray, np.ndarray]]"]
 
 
 def pool_size(concurrency: int) -> int:
@@ -45,10 +60,13 @@ def pool_size(concurrency: int) -> int:
 class FeatureSource(Protocol):
     """Where a model reads entity feature vectors from."""
 
-    async def get(
+    def get(
         self, entity: str, ids: Sequence[str], features: Sequence[str] | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Features of ``ids``: (float32 rows x features, NaN when missing; missing mask)."""
+    ) -> Awaitable[tuple[np.ndarray, np.ndarray]]:
+        """Features of ``ids``: (float32 rows x features, NaN when missing; missing mask).
+
+        An ``async def`` implements it; so does a method returning a future.
+        """
         ...
 
     async def aclose(self) -> None:
@@ -64,6 +82,12 @@ class EdgeCacheFeatureSource:
             (built with the schemas of the entities the model reads).
         max_staleness: Vectors older than this count as missing (None: any age).
         owns_client: Close the client in :meth:`aclose`.
+        coalesce: Answer the lookups asked for within ``coalesce_turns`` event
+            loop turns with one lookup per (entity, features) (see the module's
+            docstring). False: one lookup per call.
+        coalesce_turns: Loop turns a lookup waits for others to join it (4:
+            on the ranker's benchmark, 2 requests per lookup at saturation and
+            -35% worker CPU per request, against 1 without coalescing).
     """
 
     def __init__(
@@ -72,15 +96,29 @@ class EdgeCacheFeatureSource:
         max_staleness: float | timedelta | None = None,
         *,
         owns_client: bool = True,
+        coalesce: bool = True,
+        coalesce_turns: int = 4,
     ) -> None:
         self.client = client
         self._max_staleness = max_staleness
         self._owns = owns_client
+        self.coalesce = coalesce
+        if coalesce_turns < 0:
+            raise ValueError(f"coalesce_turns {coalesce_turns} must be 0 or more")
+        self.coalesce_turns = coalesce_turns
+        self._pending: dict[_Group, list[_Waiter]] = {}
+        self._flushing: set[asyncio.Task[None]] = set()
+        #: Lookups sent to the client, and the calls they answered (coalescing's yield).
+        self.lookups = 0
+        self.calls = 0
 
-    async def get(
+    def get(
         self, entity: str, ids: Sequence[str], features: Sequence[str] | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> Awaitable[tuple[np.ndarray, np.ndarray]]:
         """Look up ``ids`` of ``entity``; see :class:`FeatureSource`.
+
+        Coalescing, it returns a future (no task per call: ``asyncio.gather`` of
+        two such lookups costs the caller nothing); otherwise a coroutine.
 
         Raises:
             QueueFullError: every connection of the lookup pool stayed busy until the
@@ -89,6 +127,70 @@ class EdgeCacheFeatureSource:
                 unavailable (retryable, 503), or the cache's schema does not
                 have what the model reads (500).
         """
+        self.calls += 1
+        if not self.coalesce:
+            self.lookups += 1
+            return self._lookup(entity, ids, features)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[np.ndarray, np.ndarray]] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._defer, loop, self.coalesce_turns)
+        group = (entity, None if features is None else tuple(features))
+        self._pending.setdefault(group, []).append((ids, future))
+        return future
+
+    def _defer(self, loop: asyncio.AbstractEventLoop, turns: int) -> None:
+        # A turn of an idle loop takes microseconds; of a busy one, as long as the
+        # callbacks ready in it: the wait grows with the load that fills it.
+        if turns > 0:
+            loop.call_soon(self._defer, loop, turns - 1)
+        else:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for (entity, features), waiters in pending.items():
+            task = asyncio.create_task(self._answer(entity, features, waiters))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+
+    async def _answer(
+        self, entity: str, features: tuple[str, ...] | None, waiters: list[_Waiter]
+    ) -> None:
+        waiters = [(ids, future) for ids, future in waiters if not future.done()]
+        if not waiters:  # every asker was cancelled (client gone) before the turn ended
+            return
+        self.lookups += 1
+        if len(waiters) == 1:
+            ids, future = waiters[0]
+            union: Sequence[str] = ids
+        else:
+            union = list(dict.fromkeys(i for ids, _ in waiters for i in ids))
+        try:
+            values, mask = await self._lookup(entity, union, features)
+        except Exception as exc:  # each asker gets the lookup's error as its own
+            for _, future in waiters:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        except BaseException:  # cancelled (shutdown): the askers must not hang
+            for _, future in waiters:
+                future.cancel()
+            raise
+        if len(waiters) == 1:
+            if not future.done():
+                future.set_result((values, mask))
+            return
+        position = {item: row for row, item in enumerate(union)}
+        for ids, future in waiters:
+            if not future.done():
+                rows = np.fromiter((position[i] for i in ids), dtype=np.intp, count=len(ids))
+                future.set_result((values[rows], mask[rows]))
+
+    async def _lookup(
+        self, entity: str, ids: Sequence[str], features: Sequence[str] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One lookup through the client, its errors turned into worker errors."""
         try:
             result = await self.client.get(entity, list(ids), features, self._max_staleness)
         except PoolExhaustedError as exc:
@@ -114,6 +216,8 @@ class EdgeCacheFeatureSource:
         return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
 
     async def aclose(self) -> None:
-        """Close the lookup client (when this source owns it)."""
+        """Finish the lookups in flight, then close the lookup client (when owned)."""
+        if self._flushing:
+            await asyncio.gather(*self._flushing, return_exceptions=True)
         if self._owns:
             await self.client.close()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from edge_cache import PoolExhaustedError, RegionUnavailableError
@@ -40,3 +44,85 @@ async def test_an_unavailable_region_is_still_a_retryable_503() -> None:
 def test_pool_is_sized_for_two_lookups_per_request() -> None:
     assert pool_size(256) == 512
     assert pool_size(0) == 2
+
+
+class _Table:
+    """A lookup client over a dict: value of feature f of id i is table[i][f]."""
+
+    def __init__(self, table: dict[str, list[float]], delay: float = 0.0) -> None:
+        self.table = table
+        self.delay = delay
+        self.calls: list[tuple[str, list[str], Any]] = []
+
+    async def get(self, entity: str, ids: list[str], features: Any, staleness: Any) -> Any:
+        self.calls.append((entity, list(ids), features))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        rows = [self.table.get(i, [math.nan, math.nan]) for i in ids]
+        values = np.array(rows, dtype=np.float64).reshape(len(ids), 2)
+        return SimpleNamespace(to_numpy=lambda: values, mask=np.isnan(values))
+
+
+TABLE = {"u1": [1.0, 2.0], "a": [10.0, 11.0], "b": [20.0, 21.0], "c": [30.0, 31.0]}
+
+
+async def test_lookups_asked_together_are_one_lookup_per_entity_each_answer_its_own() -> None:
+    client = _Table(TABLE)
+    source = EdgeCacheFeatureSource(client, owns_client=False)  # type: ignore[arg-type]
+    answers = await asyncio.gather(
+        source.get("user", ["u1"], ["f", "g"]),
+        source.get("item", ["c", "a"], ["f", "g"]),
+        source.get("item", ["a", "zz", "b"], ["f", "g"]),  # zz: not in the cache
+        source.get("item", ["b"], ["f", "g"]),
+    )
+    # one lookup per entity, each id once, in first-asked order
+    assert sorted(client.calls) == [
+        ("item", ["c", "a", "zz", "b"], ("f", "g")),
+        ("user", ["u1"], ("f", "g")),
+    ]
+    assert (source.calls, source.lookups) == (4, 2)
+    (users, user_mask), (first, _), (second, second_mask), (third, _) = answers
+    assert users.tolist() == [[1.0, 2.0]] and not user_mask.any()
+    assert first.tolist() == [[30.0, 31.0], [10.0, 11.0]]
+    assert first.dtype == np.float32
+    assert second[0].tolist() == [10.0, 11.0] and second[2].tolist() == [20.0, 21.0]
+    assert second_mask.tolist() == [[False, False], [True, True], [False, False]]
+    assert third.tolist() == [[20.0, 21.0]]
+
+
+async def test_a_different_feature_list_is_a_separate_lookup() -> None:
+    client = _Table(TABLE)
+    source = EdgeCacheFeatureSource(client, owns_client=False)  # type: ignore[arg-type]
+    await asyncio.gather(source.get("item", ["a"], ["f", "g"]), source.get("item", ["a"], None))
+    assert len(client.calls) == 2
+
+
+async def test_a_failed_coalesced_lookup_fails_every_request_of_it_typed() -> None:
+    exc = RegionUnavailableError("down", "eu-west", (("eu-west", "timed out"),))
+    source = EdgeCacheFeatureSource(_Raising(exc), owns_client=False)  # type: ignore[arg-type]
+    results = await asyncio.gather(
+        source.get("item", ["a"]), source.get("item", ["b"]), return_exceptions=True
+    )
+    assert all(isinstance(r, FeatureLookupError) and r.http_status == 503 for r in results)
+
+
+async def test_a_cancelled_request_leaves_the_others_of_its_lookup_answered() -> None:
+    client = _Table(TABLE, delay=0.05)
+    source = EdgeCacheFeatureSource(client, owns_client=False)  # type: ignore[arg-type]
+    gone = asyncio.ensure_future(source.get("item", ["a"]))
+    kept = asyncio.ensure_future(source.get("item", ["b"]))
+    await asyncio.sleep(0.01)  # the lookup is in flight
+    gone.cancel()
+    values, mask = await kept
+    assert values.tolist() == [[20.0, 21.0]] and not mask.any()
+    assert gone.cancelled()
+    await source.aclose()
+
+
+async def test_without_coalescing_every_call_is_its_own_lookup() -> None:
+    client = _Table(TABLE)
+    source = EdgeCacheFeatureSource(client, owns_client=False, coalesce=False)  # type: ignore[arg-type]
+    await asyncio.gather(source.get("item", ["a"]), source.get("item", ["b"]))
+    assert [ids for _, ids, _ in client.calls] == [["a"], ["b"]]
+    with pytest.raises(ValueError, match="coalesce_turns -1"):
+        EdgeCacheFeatureSource(client, coalesce_turns=-1)  # type: ignore[arg-type]
