@@ -9,7 +9,6 @@ request's T_data) and scores every (user, item) pair: one row per item.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -175,7 +174,8 @@ class Ranker(ServedModel):
                 f"{content_type or '(none)'!r}"
             )
         try:
-            request = RankRequest.model_validate(json.loads(body))
+            # pydantic parses and validates the JSON in one pass (no dict in between)
+            request = RankRequest.model_validate_json(body)
         except (ValueError, ValidationError) as exc:
             raise InvalidTensorError(f"invalid ranking request: {exc}") from None
         if len(request.item_ids) > max_rows:
