@@ -337,7 +337,8 @@ class DynamicBatcher:
             if wait > 0:
                 self._arrival.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrival.wait(), timeout=wait)
+                    async with asyncio.timeout(wait):  # a timer; wait_for would add a task
+                        await self._arrival.wait()
                 continue
             batch = self._take_batch(target)
             if batch:
