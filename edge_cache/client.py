@@ -35,17 +35,8 @@ from redis.retry import Retry
 
 from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
-from edge_cache.core import (
-    Failure,
-    LookupCore,
-    LookupRun,
-    Read,
-    ReadSchema,
-    ReadTypes,
-    Reply,
-    Step,
-)
-from edge_cache.exceptions import ConfigError, EdgeCacheError, PoolExhaustedError
+from edge_cache.core import Failure, LookupCore, ReadSchema, ReadTypes, Reply, Step
+from edge_cache.exceptions import ConfigError, PoolExhaustedError
 from edge_cache.layout import KeyLayout
 from edge_cache.metrics import LookupStats
 from edge_cache.nearcache import InvalidationListener, ListenerGroup, NearCache, NearCacheConfig
@@ -66,10 +57,6 @@ _FAILURES = (
     OSError,
 )
 log = logging.getLogger(__name__)
-
-
-#: The ids of a lookup.
-Ids = Sequence[str | int] | np.ndarray[Any, Any]
 
 
 class HasRegions(Protocol):
@@ -236,24 +223,14 @@ async def _amget(
     client: aioredis.Redis, keys: list[str], redirect: int | None = None
 ) -> tuple[list[bytes | None], int]:
     """The asyncio twin of :func:`_mget` (also safe under cancellation by a timeout)."""
-    return (await _amget_many(client, [keys], redirect))[0]
-
-
-async def _amget_many(
-    client: aioredis.Redis, reads: list[list[str]], redirect: int | None = None
-) -> list[tuple[list[bytes | None], int]]:
-    """Several :func:`_amget` reads in one write and one round trip on one connection."""
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             await connection.disconnect()
-        await connection.send_packed_command(b"".join([_pack_reads(keys) for keys in reads]))
-        replies = []
-        for _ in reads:
-            values = await connection.read_response()
-            replies.append((values, int(await connection.read_response())))
-        return replies
+        await connection.send_packed_command(_pack_reads(keys))
+        values = await connection.read_response()
+        return values, int(await connection.read_response())
     except BaseException:
         await connection.disconnect()
         raise
@@ -600,132 +577,23 @@ class AsyncFeatureClient(_Base):
             step = run.send(await self._execute(step, deadlines))
         return run.result
 
-    async def get_many(
-        self,
-        asks: Sequence[tuple[str, Ids, Sequence[str] | None]],
-        max_staleness: float | timedelta | None = None,
-        *,
-        at: datetime | float | None = None,
-        timeout_s: float | None = None,
-    ) -> list[FeatureVectors | EdgeCacheError]:
-        """Several :meth:`get` calls (``(entity, ids, features)`` each) at once.
-
-        Their reads from one region go out in one write and come back in one round
-        trip (a user and that user's candidate items: one round trip, not two).
-        Each ask is answered apart, in order: its vectors, or the error its own
-        :meth:`get` would have raised (an unknown entity fails that ask alone).
-        """
-        started = time.perf_counter()
-        deadlines = _Deadlines(self.timeout_s if timeout_s is None else timeout_s)
-        answers: list[FeatureVectors | EdgeCacheError | None] = [None] * len(asks)
-        runs: dict[int, LookupRun] = {}
-        steps: dict[int, Step] = {}
-
-        def advance(index: int, reply: Reply) -> None:
-            try:
-                step = runs[index].send(reply)
-            except EdgeCacheError as exc:
-                answers[index] = exc
-                return
-            if step is None:
-                answers[index] = runs[index].result
-            else:
-                steps[index] = step
-
-        for index, (entity, ids, features) in enumerate(asks):
-            try:
-                plan = self.core.plan(entity, ids, features, max_staleness, at)
-            except EdgeCacheError as exc:
-                answers[index] = exc
-                continue
-            runs[index] = self.core.start(plan, self.breakers, self.near, started)
-            advance(index, None)
-        while steps:
-            pending, steps = steps, {}
-            reads = [step for step in pending.values() if isinstance(step, Read)]
-            if len(reads) == len(pending) > 1 and self._shareable(reads):
-                try:
-                    replies: list[Reply] = list(await self._execute_reads(reads, deadlines))
-                except EdgeCacheError as exc:  # the pool stayed busy: every read is shed
-                    for index in pending:
-                        answers[index] = exc
-                    continue
-            else:
-                results: list[Reply | BaseException]
-                if len(pending) == 1:
-                    (step,) = pending.values()
-                    try:
-                        results = [await self._execute(step, deadlines)]
-                    except EdgeCacheError as exc:
-                        results = [exc]
-                else:
-                    results = await asyncio.gather(
-                        *(self._execute(step, deadlines) for step in pending.values()),
-                        return_exceptions=True,
-                    )
-                replies = []
-                for index, result in zip(pending, results, strict=True):
-                    if isinstance(result, EdgeCacheError):
-                        answers[index] = result
-                        replies.append(None)  # answered: not advanced below
-                    elif isinstance(result, BaseException):
-                        raise result
-                    else:
-                        replies.append(result)
-            for index, reply in zip(pending, replies, strict=True):
-                if answers[index] is None:
-                    advance(index, reply)
-        done = [answer for answer in answers if answer is not None]
-        assert len(done) == len(asks), "every ask is answered or failed"
-        return done
-
-    def _shareable(self, reads: list[Read]) -> bool:
-        first = reads[0]
-        return not isinstance(self.clients[first.region], aioredis.RedisCluster) and all(
-            read.region == first.region and read.tracked == first.tracked for read in reads
-        )
-
-    async def _execute_reads(self, reads: list[Read], deadlines: _Deadlines) -> list[Reply]:
-        """:meth:`_execute` of several reads of one region: one connection, one write."""
-        region = reads[0].region
-        deadline = await self._acquire(region, deadlines)
+    async def _execute(self, step: Step, deadlines: _Deadlines) -> Reply:
+        deadline = deadlines.of(step.region)
+        gate = self.gates[step.region]
         try:
+            # Waiting for a free connection is this process's congestion, not the region's:
+            # it never counts against the region (breaker, failover); past the deadline the
+            # call is shed with a retryable PoolExhaustedError.
             async with asyncio.timeout_at(_loop_time(deadline)):
-                client = self.clients[region]
-                listener = self.listener
-                redirect = listener.client_id if reads[0].tracked and listener is not None else None
-                keys = [read.keys for read in reads]
-                return list(await _amget_many(client, keys, redirect))  # type: ignore[arg-type]
-        except _FAILURES as exc:
-            failure = _failure(exc, deadlines.timeout_s)
-            return [failure] * len(reads)
-        finally:
-            self.gates[region].release()
-
-    async def _acquire(self, region: str, deadlines: _Deadlines) -> float:
-        """Take one of ``region``'s connection slots; the read's deadline.
-
-        Waiting for a free connection is this process's congestion, not the region's:
-        it never counts against the region (breaker, failover); past the deadline the
-        call is shed with a retryable PoolExhaustedError.
-        """
-        deadline = deadlines.of(region)
-        try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
-                await self.gates[region].acquire()
+                await gate.acquire()
         except TimeoutError:
             raise PoolExhaustedError(
-                f"all {self.max_connections} connections to region {region!r} stayed busy "
+                f"all {self.max_connections} connections to region {step.region!r} stayed busy "
                 f"for the call's {deadlines.timeout_s:g} s: this process sends more concurrent "
                 "lookups than its pool holds; raise max_connections or admit fewer requests",
-                region,
+                step.region,
                 retry_after_s=deadlines.timeout_s,
             ) from None
-        return deadline
-
-    async def _execute(self, step: Step, deadlines: _Deadlines) -> Reply:
-        deadline = await self._acquire(step.region, deadlines)
-        gate = self.gates[step.region]
         try:
             async with asyncio.timeout_at(_loop_time(deadline)):
                 client = self.clients[step.region]

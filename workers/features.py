@@ -38,7 +38,7 @@ from edge_cache import (
     UnknownEntityError,
     UnknownFeatureError,
 )
-from workers.exceptions import FeatureLookupError, QueueFullError, WorkersError
+from workers.exceptions import FeatureLookupError, QueueFullError
 
 __all__ = ["LOOKUPS_PER_REQUEST", "EdgeCacheFeatureSource", "FeatureSource", "pool_size"]
 
@@ -149,67 +149,43 @@ class EdgeCacheFeatureSource:
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
-        task = asyncio.create_task(self._answer(pending))
-        self._flushing.add(task)
-        task.add_done_callback(self._flushing.discard)
+        for (entity, features), waiters in pending.items():
+            task = asyncio.create_task(self._answer(entity, features, waiters))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
 
-    async def _answer(self, pending: dict[_Group, list[_Waiter]]) -> None:
-        groups: list[tuple[_Group, list[_Waiter], Sequence[str]]] = []
-        for group, asked in pending.items():
-            waiters = [(ids, future) for ids, future in asked if not future.done()]
-            if not waiters:  # every asker was cancelled (client gone) before the flush
-                continue
-            if len(waiters) == 1:
-                union: Sequence[str] = waiters[0][0]
-            else:
-                union = list(dict.fromkeys(i for ids, _ in waiters for i in ids))
-            groups.append((group, waiters, union))
-        if not groups:
+    async def _answer(
+        self, entity: str, features: tuple[str, ...] | None, waiters: list[_Waiter]
+    ) -> None:
+        waiters = [(ids, future) for ids, future in waiters if not future.done()]
+        if not waiters:  # every asker was cancelled (client gone) before the turn ended
             return
-        self.lookups += len(groups)
+        self.lookups += 1
+        if len(waiters) == 1:
+            ids, future = waiters[0]
+            union: Sequence[str] = ids
+        else:
+            union = list(dict.fromkeys(i for ids, _ in waiters for i in ids))
         try:
-            answers = await self._lookup_many(
-                [(entity, union, features) for (entity, features), _, union in groups]
-            )
-        except BaseException:  # cancelled (shutdown), or a bug: no asker may hang
-            for _, waiters, _ in groups:
-                for _, future in waiters:
-                    if not future.done():
-                        future.cancel()
+            values, mask = await self._lookup(entity, union, features)
+        except Exception as exc:  # each asker gets the lookup's error as its own
+            for _, future in waiters:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        except BaseException:  # cancelled (shutdown): the askers must not hang
+            for _, future in waiters:
+                future.cancel()
             raise
-        for (_, waiters, union), answer in zip(groups, answers, strict=True):
-            if isinstance(answer, WorkersError):  # each asker gets it as its own error
-                for _, future in waiters:
-                    if not future.done():
-                        future.set_exception(answer)
-                continue
-            values, mask = answer
-            if len(waiters) == 1:
-                future = waiters[0][1]
-                if not future.done():
-                    future.set_result((values, mask))
-                continue
-            position = {item: row for row, item in enumerate(union)}
-            for ids, future in waiters:
-                if not future.done():
-                    rows = np.fromiter((position[i] for i in ids), dtype=np.intp, count=len(ids))
-                    future.set_result((values[rows], mask[rows]))
-
-    async def _lookup_many(
-        self, asks: list[tuple[str, Sequence[str], tuple[str, ...] | None]]
-    ) -> list[tuple[np.ndarray, np.ndarray] | WorkersError]:
-        """Several lookups; through the edge cache's client, one round trip per region."""
-        get_many = getattr(self.client, "get_many", None)
-        if get_many is None or len(asks) == 1:
-            return list(await asyncio.gather(*(_caught(self._lookup(*ask)) for ask in asks)))
-        results = await get_many(
-            [(entity, list(ids), features) for entity, ids, features in asks],
-            self._max_staleness,
-        )
-        return [
-            _worker_error(result, entity) if isinstance(result, EdgeCacheError) else _arrays(result)
-            for (entity, _, _), result in zip(asks, results, strict=True)
-        ]
+        if len(waiters) == 1:
+            if not future.done():
+                future.set_result((values, mask))
+            return
+        position = {item: row for row, item in enumerate(union)}
+        for ids, future in waiters:
+            if not future.done():
+                rows = np.fromiter((position[i] for i in ids), dtype=np.intp, count=len(ids))
+                future.set_result((values[rows], mask[rows]))
 
     async def _lookup(
         self, entity: str, ids: Sequence[str], features: Sequence[str] | None
@@ -217,9 +193,27 @@ class EdgeCacheFeatureSource:
         """One lookup through the client, its errors turned into worker errors."""
         try:
             result = await self.client.get(entity, list(ids), features, self._max_staleness)
+        except PoolExhaustedError as exc:
+            raise QueueFullError(
+                f"feature lookups are queued beyond their deadline: {exc}",
+                retry_after_s=exc.retry_after_s,
+            ) from None
+        except RegionUnavailableError as exc:
+            raise FeatureLookupError(f"feature lookup failed: {exc}", retryable=True) from None
+        except (SchemaVersionError, UnknownEntityError, UnknownFeatureError) as exc:
+            raise FeatureLookupError(
+                f"feature lookup of {entity!r} failed: {exc}; the model's feature list and "
+                "the region's schemas disagree",
+                retryable=False,
+            ) from None
         except EdgeCacheError as exc:
-            raise _worker_error(exc, entity) from None
-        return _arrays(result)
+            raise FeatureLookupError(
+                f"feature lookup of {entity!r} failed: {exc}", retryable=exc.retryable
+            ) from None
+        # A corrupt value (result.corrupt, counted and logged by the client) and a
+        # stored NaN read as missing: the request's on_missing policy decides.
+        values: Any = result.to_numpy()
+        return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
 
     async def aclose(self) -> None:
         """Finish the lookups in flight, then close the lookup client (when owned)."""
@@ -227,39 +221,3 @@ class EdgeCacheFeatureSource:
             await asyncio.gather(*self._flushing, return_exceptions=True)
         if self._owns:
             await self.client.close()
-
-
-async def _caught(
-    lookup: Awaitable[tuple[np.ndarray, np.ndarray]],
-) -> tuple[np.ndarray, np.ndarray] | WorkersError:
-    try:
-        return await lookup
-    except WorkersError as exc:
-        return exc
-
-
-def _arrays(result: Any) -> tuple[np.ndarray, np.ndarray]:
-    # A corrupt value (result.corrupt, counted and logged by the client) and a
-    # stored NaN read as missing: the request's on_missing policy decides.
-    values: Any = result.to_numpy()
-    return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
-
-
-def _worker_error(exc: EdgeCacheError, entity: str) -> WorkersError:
-    """The worker error (HTTP status, retryable) an edge cache error of a lookup is."""
-    if isinstance(exc, PoolExhaustedError):
-        return QueueFullError(
-            f"feature lookups are queued beyond their deadline: {exc}",
-            retry_after_s=exc.retry_after_s,
-        )
-    if isinstance(exc, RegionUnavailableError):
-        return FeatureLookupError(f"feature lookup failed: {exc}", retryable=True)
-    if isinstance(exc, SchemaVersionError | UnknownEntityError | UnknownFeatureError):
-        return FeatureLookupError(
-            f"feature lookup of {entity!r} failed: {exc}; the model's feature list and "
-            "the region's schemas disagree",
-            retryable=False,
-        )
-    return FeatureLookupError(
-        f"feature lookup of {entity!r} failed: {exc}", retryable=exc.retryable
-    )

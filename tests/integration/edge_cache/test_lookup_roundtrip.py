@@ -6,12 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import numpy as np
 import pytest
 
-import edge_cache.client as client_module
 from edge_cache import (
     AsyncFeatureClient,
     Feature,
@@ -251,36 +249,3 @@ def test_one_round_trip_per_call_whatever_the_number_of_ids(
     # one write, one round trip: the MGET and the EXISTS that tells a key of another
     # Redis type (read as nil by MGET) from an absent one
     assert commands == {"cmdstat_mget": 1, "cmdstat_exists": 1}
-
-
-async def test_get_many_answers_each_ask_as_get_does_in_one_round_trip(
-    home: RegionSettings,
-    make_writer: Callable[..., FeatureWriter],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    commit = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1)
-    _write(make_writer(home, [ITEM]), commit)
-    writes: list[int] = []
-    real = client_module._amget_many
-
-    async def counted(client: Any, reads: list[list[str]], redirect: int | None = None) -> Any:
-        writes.append(len(reads))
-        return await real(client, reads, redirect)
-
-    monkeypatch.setattr(client_module, "_amget_many", counted)
-    asks: list[tuple[str, list[str], list[str] | None]] = [
-        ("item", ["sku-0", "sku-404"], None),
-        ("item", ["sku-1", "sku-2"], ["ctr", "score"]),
-        ("no-such-entity", ["x"], None),
-    ]
-    async with AsyncFeatureClient("eu-west", [home], [ITEM]) as client:
-        many = await client.get_many(asks)
-        assert isinstance(many[2], UnknownEntityError)  # that ask alone fails
-        for (entity, ids, features), answer in zip(asks[:2], many[:2], strict=True):
-            alone = await client.get(entity, ids, features)
-            assert not isinstance(answer, Exception)
-            np.testing.assert_array_equal(answer.to_numpy(), alone.to_numpy())
-            np.testing.assert_array_equal(answer.mask, alone.mask)
-            assert answer.ids == alone.ids
-    if not home.cluster:  # a cluster's reads go node by node (mget_nonatomic)
-        assert 2 in writes, f"the two reads went out apart: {writes}"
