@@ -179,3 +179,21 @@ async def test_large_bodies_are_decoded_off_the_event_loop_small_plain_ones_on_i
                 assert response.status == 200, await response.text()
     assert threads[0] is threading.main_thread()
     assert threads[1] is not threading.main_thread()
+
+
+class _NumpyRender(TensorModel):
+    """A model whose render answers what orjson will not write (numpy scalars, int keys)."""
+
+    def render(self, prepared: Any, output: np.ndarray) -> dict[str, Any]:
+        return {"sum": np.float64(output.sum()), "by_row": {0: float(output[0, 0])}}
+
+
+async def test_an_answer_orjson_cannot_write_is_still_rendered_as_json() -> None:
+    model = _NumpyRender("numpyish", nn.Identity(), (2,), "float32")
+    async with InferenceServer([model]) as server, aiohttp.ClientSession() as http:
+        url = f"{server.url}/v1/models/numpyish/infer"
+        body = encode_npy(np.array([[1.5, 2.0]], np.float32))
+        async with http.post(url, data=body, headers={"Content-Type": NPY_TYPE}) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"] == "application/json; charset=utf-8"
+            assert _strict_json(await response.text()) == {"sum": 3.5, "by_row": {"0": 1.5}}
