@@ -46,10 +46,12 @@ def _feature_factory(
     region: str,
     registry: CollectorRegistry | None = None,
     concurrency: int = 256,
+    coalesce_turns: int | None = 4,
 ) -> Callable[[RankerConfig], FeatureSource]:
     """Builds the ranker's feature source: the edge cache lookup client of ``region``,
     its metrics in ``registry`` (the worker's), its pool sized for ``concurrency``
-    requests in flight.
+    requests in flight, its lookups coalesced over ``coalesce_turns`` loop turns
+    (None: not coalesced).
 
     The client knows the pipeline's entity schemas (from the settings file) plus
     the model's own entities when the pipeline does not declare them (the demo's).
@@ -74,7 +76,9 @@ def _feature_factory(
                 max_connections=pool_size(concurrency),
             )
         )
-        return EdgeCacheFeatureSource(client)
+        if coalesce_turns is None:
+            return EdgeCacheFeatureSource(client, coalesce=False)
+        return EdgeCacheFeatureSource(client, coalesce_turns=coalesce_turns)
 
     return build
 
@@ -92,12 +96,13 @@ def _load_model(
     *,
     registry: CollectorRegistry | None = None,
     concurrency: int = 256,
+    coalesce_turns: int | None = 4,
 ) -> ServedModel:
     from workers.models import load_served_model
 
     shape = tuple(int(part) for part in input_shape.split(",")) if input_shape else ()
     features = (
-        _feature_factory(ctx, region, registry, concurrency)
+        _feature_factory(ctx, region, registry, concurrency, coalesce_turns)
         if name == "ranker" and model_file is None
         else None
     )
@@ -188,6 +193,15 @@ def serve(
     event_loop: Annotated[
         str | None, typer.Option(help="auto (uvloop when installed), uvloop or asyncio.")
     ] = None,
+    coalesce_turns: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=64,
+            help="Event loop turns the ranker's feature lookups wait to share one lookup "
+            "(default 4; EDGEFEED_WORKERS_COALESCE_LOOKUPS=false turns it off).",
+        ),
+    ] = None,
 ) -> None:
     """Serve one model over HTTP until SIGINT/SIGTERM, then drain."""
     from prometheus_client import CollectorRegistry
@@ -208,6 +222,7 @@ def serve(
         tls_cert_file=tls_cert,
         tls_key_file=tls_key,
         event_loop=event_loop,
+        coalesce_turns=coalesce_turns,
     )
     # the composition root: one registry for the worker's and its lookup client's metrics
     registry = CollectorRegistry()
@@ -223,6 +238,7 @@ def serve(
         labels,
         registry=registry,
         concurrency=settings.max_queue_size,
+        coalesce_turns=settings.coalesce_turns if settings.coalesce_lookups else None,
     )
     rows = served.default_max_batch_size
     server = run_reported(

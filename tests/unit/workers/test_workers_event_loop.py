@@ -59,3 +59,44 @@ def test_batch_rows_default_to_the_served_models_and_a_setting_wins() -> None:
     given = WorkerSettings(max_batch_size=64)
     assert given.batching(Ranker.default_max_batch_size).max_batch_size == 64
     assert given.runtime(Ranker.default_max_batch_size).max_batch_rows == 64
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        ([], {}, 4),
+        (["--coalesce-turns", "1"], {}, 1),
+        ([], {"EDGEFEED_WORKERS_COALESCE_TURNS": "8"}, 8),
+        ([], {"EDGEFEED_WORKERS_COALESCE_LOOKUPS": "false"}, None),
+    ],
+)
+def test_serve_hands_the_lookup_coalescing_setting_to_the_rankers_feature_source(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str], expected: int | None
+) -> None:
+    from typer.testing import CliRunner
+
+    import edgefeed.cli.workers as cli_workers
+    from edgefeed.cli import app
+
+    seen: dict[str, object] = {}
+
+    def load(*_args: object, **kwargs: object) -> None:
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(cli_workers, "_load_model", load)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    command = ["workers", "serve", "--model", "ranker", "--region", "eu-west", *args]
+    result = CliRunner().invoke(app, command)
+    assert isinstance(result.exception, _Stop), result.output
+    assert seen["coalesce_turns"] == expected
+
+
+def test_a_coalescing_setting_out_of_range_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="coalesce_turns"):
+        WorkerSettings(coalesce_turns=65)
