@@ -22,6 +22,11 @@ from edge_cache import FeatureSchema, FeatureWriter, RegionSettings
 from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings
 
+#: The lookup deadline of the clients in tests of what a lookup answers, not of how
+#: fast. The serving default (0.25 s) for the whole read, a cluster client's slot
+#: discovery included, can pass on a machine whose cores a CPU hog holds.
+READ_TIMEOUT_S = 5.0
+
 
 @pytest.fixture(scope="session")
 def redis_stack(

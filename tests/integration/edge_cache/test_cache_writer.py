@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
+from edge_cache_stack import READ_TIMEOUT_S
 
 from edge_cache import (
     AsyncFeatureWriter,
@@ -53,7 +54,7 @@ def test_reordered_and_redelivered_events_converge(
         Upsert("user", 1, {"a": 3.0}, Position(2**40, 0), now),
     ]
     writer = make_writer(home, [USER])
-    with FeatureClient("eu-west", [home], [USER]) as client:
+    with FeatureClient("eu-west", [home], [USER], timeout_s=READ_TIMEOUT_S) as client:
         writer.write(events)
         expected = _state(client, [1, 2, 3])
         assert expected == [{"a": 3.0, "b": None}, None, {"a": None, "b": 9.0}]
@@ -85,7 +86,7 @@ def test_outcomes_and_tombstone(
     key = KeyLayout().key("user", 5)
     ttl_ms = writer.client.pttl(key)
     assert 0 < ttl_ms <= 600_000
-    with FeatureClient("eu-west", [home], [USER]) as client:
+    with FeatureClient("eu-west", [home], [USER], timeout_s=READ_TIMEOUT_S) as client:
         assert client.get("user", [5]).found.tolist() == [False]
         # a later upsert brings it back and clears the tombstone's TTL
         assert writer.upsert("user", 5, {"a": 4.0}, Position(102), now) is True
@@ -148,7 +149,7 @@ async def test_async_writer_same_semantics(home: RegionSettings) -> None:
         ) == [True, False, True, False]
         assert await writer.upsert("user", 1, {"b": 2.0}, Position(6), now)
         assert not await writer.delete("user", 1, Position(6), now)
-    with FeatureClient("eu-west", [home], [USER]) as client:
+    with FeatureClient("eu-west", [home], [USER], timeout_s=READ_TIMEOUT_S) as client:
         assert _state(client, [1, 2]) == [{"a": None, "b": 2.0}, None]
 
 
@@ -199,7 +200,7 @@ def test_a_scheduled_value_is_renewed_at_the_same_position_and_read_as_of_the_re
     clock["now"] = 1_100.0
     assert writer.write([value(2, 0)]) == [True]  # the same state, renewed
     assert writer.write([value(1, 1)]) == [False]  # same write time: refused
-    with FeatureClient("eu-west", [home], [USER, timed]) as client:
+    with FeatureClient("eu-west", [home], [USER, timed], timeout_s=READ_TIMEOUT_S) as client:
         assert client.get("clicks", [1]).to_dicts() == [{"n": 2}]
         later = client.get("clicks", [1], at=now_us / 1e6 + 3_601).to_dicts()
         assert later == [{"n": 0}]

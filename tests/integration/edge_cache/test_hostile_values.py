@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import redis
+from edge_cache_stack import READ_TIMEOUT_S
 from prometheus_client import CollectorRegistry
 
 from edge_cache import (
@@ -48,7 +49,9 @@ def test_a_corrupt_value_is_one_missing_entity_named_and_counted(
         writer.upsert("item", entity_id, {"ctr": 0.5, "price": 9.0}, Position(1), 1.0)
     writer.client.set(KEYS.key("item", "b"), b"EF\x01garbage that is no vector")
     registry = CollectorRegistry()
-    with FeatureClient("eu-west", [home], [ITEM], registry=registry) as client:
+    with FeatureClient(
+        "eu-west", [home], [ITEM], registry=registry, timeout_s=READ_TIMEOUT_S
+    ) as client:
         result = client.get("item", ["a", "b", "c"])
     assert result.found.tolist() == [True, False, True]
     assert result.to_dicts()[0] == {"ctr": 0.5, "price": 9.0}
@@ -65,7 +68,9 @@ def test_a_key_holding_a_hash_is_a_named_corrupt_entry_not_a_silent_miss(
     with redis.Redis.from_url(home.redis_url) as plain:
         plain.hset(KEYS.key("item", "h"), mapping={"ctr": "0.5"})
     registry = CollectorRegistry()
-    with FeatureClient("eu-west", [home], [ITEM], registry=registry) as client:
+    with FeatureClient(
+        "eu-west", [home], [ITEM], registry=registry, timeout_s=READ_TIMEOUT_S
+    ) as client:
         result = client.get("item", ["a", "h", "absent"])
     assert result.found.tolist() == [True, False, False]
     ((row, reason),) = result.corrupt  # "absent" is just absent
@@ -83,7 +88,7 @@ def test_nan_is_missing_whether_the_writer_or_someone_else_stored_it(
     raw = bytearray(RecordLayout(ITEM).encode({"ctr": 0.0, "price": 1.0}, Position(1), 1, 2))
     raw[40:44] = np.float32(np.nan).tobytes()
     writer.client.set(KEYS.key("item", "r"), bytes(raw))
-    with FeatureClient("eu-west", [home], [ITEM]) as client:
+    with FeatureClient("eu-west", [home], [ITEM], timeout_s=READ_TIMEOUT_S) as client:
         result = client.get("item", ["w", "r"])
     assert result.found.tolist() == [True, True]
     assert result.present.tolist() == [[False, True], [False, True]]

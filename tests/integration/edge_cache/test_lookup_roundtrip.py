@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
+from edge_cache_stack import READ_TIMEOUT_S
 
 from edge_cache import (
     AsyncFeatureClient,
@@ -132,7 +133,7 @@ def test_sync_roundtrip_all_forms(
 ) -> None:
     commit = datetime.now(UTC).replace(microsecond=123456) - timedelta(seconds=1)
     _write(make_writer(home, [ITEM]), commit)
-    with FeatureClient("eu-west", [home], [ITEM]) as client:
+    with FeatureClient("eu-west", [home], [ITEM], timeout_s=READ_TIMEOUT_S) as client:
         result = client.get("item", ["sku-0", "sku-1", "sku-2", "sku-404"])
         assert result.region == "eu-west"
         _check_all_forms(result, commit)
@@ -143,7 +144,7 @@ async def test_async_roundtrip_all_forms(
 ) -> None:
     commit = datetime.now(UTC).replace(microsecond=654321) - timedelta(seconds=1)
     _write(make_writer(home, [ITEM]), commit)
-    async with AsyncFeatureClient("eu-west", [home], [ITEM]) as client:
+    async with AsyncFeatureClient("eu-west", [home], [ITEM], timeout_s=READ_TIMEOUT_S) as client:
         result = await client.get("item", ["sku-0", "sku-1", "sku-2", "sku-404"])
         _check_all_forms(result, commit)
 
@@ -167,7 +168,7 @@ def test_float32_vectors_exact_and_selected(
             for i, row in enumerate(data)
         ]
     )
-    with FeatureClient("eu-west", [home], [schema]) as client:
+    with FeatureClient("eu-west", [home], [schema], timeout_s=READ_TIMEOUT_S) as client:
         result = client.get("user", list(range(100)))
         assert result.values.dtype == np.float32
         assert np.array_equal(result.values, data)
@@ -193,7 +194,7 @@ def test_staleness_bound(
             Upsert("user", "new", {"a": 3.0, "b": 4.0}, Position(2), now),
         ]
     )
-    with FeatureClient("eu-west", regions, [schema]) as client:
+    with FeatureClient("eu-west", regions, [schema], timeout_s=READ_TIMEOUT_S) as client:
         bounded = client.get("user", ["old", "new"], max_staleness=timedelta(seconds=10))
         assert list(bounded.stale) == [True, False]
         assert list(bounded.found) == [False, True]
@@ -209,7 +210,7 @@ def test_staleness_bound(
 
 def test_bad_input_errors_list_valid_names(regions: list[RegionSettings]) -> None:
     schema = FeatureSchema.of("user", ["a", "b"])
-    with FeatureClient("eu-west", regions, [schema, ITEM]) as client:
+    with FeatureClient("eu-west", regions, [schema, ITEM], timeout_s=READ_TIMEOUT_S) as client:
         with pytest.raises(UnknownEntityError, match=r"'usr'.*item, user") as entity_error:
             client.get("usr", [1])
         assert isinstance(entity_error.value, ValueError)
@@ -234,7 +235,7 @@ def test_one_round_trip_per_call_whatever_the_number_of_ids(
     )
     with (
         redis.Redis.from_url(regions[0].redis_url) as admin,
-        FeatureClient("eu-west", regions, [schema]) as client,
+        FeatureClient("eu-west", regions, [schema], timeout_s=READ_TIMEOUT_S) as client,
     ):
         client.get("user", [0])  # connect
         admin.config_resetstat()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
+from edge_cache_stack import READ_TIMEOUT_S
 
 from edge_cache import (
     AsyncFeatureClient,
@@ -41,7 +42,9 @@ def test_hits_then_invalidated_after_write_and_delete(
 ) -> None:
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 1, {"a": 1.0, "b": 2.0}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [USER], near_cache=NEAR) as client:
+    with FeatureClient(
+        "eu-west", regions, [USER], near_cache=NEAR, timeout_s=READ_TIMEOUT_S
+    ) as client:
         assert client.near is not None and _until(lambda: client.near.active)  # type: ignore[union-attr]
         first = client.get("user", [1, 2])
         assert first.near_hits == 0
@@ -63,7 +66,9 @@ def test_listener_loss_flushes_and_recovers(
 ) -> None:
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [USER], near_cache=NEAR) as client:
+    with FeatureClient(
+        "eu-west", regions, [USER], near_cache=NEAR, timeout_s=READ_TIMEOUT_S
+    ) as client:
         near, listener = client.near, client.listener
         assert near is not None and listener is not None
         assert _until(lambda: near.active)
@@ -87,7 +92,9 @@ def test_ttl_bounds_entries(
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
     short = NearCacheConfig(max_entries=10, ttl_s=0.05)
-    with FeatureClient("eu-west", regions, [USER], near_cache=short) as client:
+    with FeatureClient(
+        "eu-west", regions, [USER], near_cache=short, timeout_s=READ_TIMEOUT_S
+    ) as client:
         assert client.near is not None and _until(lambda: client.near.active)  # type: ignore[union-attr]
         client.get("user", [1])
         assert _until(lambda: client.get("user", [1]).near_hits == 0)
@@ -98,7 +105,9 @@ async def test_async_client_near_cache(
 ) -> None:
     writer = make_writer(regions[0], [USER])
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
-    async with AsyncFeatureClient("eu-west", regions, [USER], near_cache=NEAR) as client:
+    async with AsyncFeatureClient(
+        "eu-west", regions, [USER], near_cache=NEAR, timeout_s=READ_TIMEOUT_S
+    ) as client:
         assert client.near is not None and _until(lambda: client.near.active)  # type: ignore[union-attr]
         await client.get("user", [1])
         assert (await client.get("user", [1])).near_hits == 1
@@ -119,7 +128,9 @@ def test_cluster_near_cache_hits_and_invalidation(
     writer = make_writer(cluster_region, [USER])
     ids = list(range(12))  # spread over the three primaries
     writer.write([Upsert("user", i, {"a": float(i)}, Position(1), time.time()) for i in ids])
-    with FeatureClient("eu-west", [cluster_region], [USER], near_cache=NEAR) as client:
+    with FeatureClient(
+        "eu-west", [cluster_region], [USER], near_cache=NEAR, timeout_s=READ_TIMEOUT_S
+    ) as client:
         near = client.near
         assert near is not None and len(client.listeners) == 3
         assert _until(lambda: near.active)
@@ -145,7 +156,9 @@ async def test_async_cluster_near_cache(
 ) -> None:
     writer = make_writer(cluster_region, [USER])
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
-    async with AsyncFeatureClient("eu-west", [cluster_region], [USER], near_cache=NEAR) as client:
+    async with AsyncFeatureClient(
+        "eu-west", [cluster_region], [USER], near_cache=NEAR, timeout_s=READ_TIMEOUT_S
+    ) as client:
         assert client.near is not None and _until(lambda: client.near.active)  # type: ignore[union-attr]
         await client.get("user", [1])
         assert (await client.get("user", [1])).near_hits == 1

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from edge_cache_stack import READ_TIMEOUT_S
 
 from edge_cache import (
     AsyncFeatureClient,
@@ -186,7 +187,11 @@ def test_writer_writes_and_reader_reads_each_as_its_own_user(clean: AclServer) -
             [Upsert("user", 1, {"a": 1.0, "b": 2.0}, Position(1), time.time())], freshness=True
         ) == [True]
         with FeatureClient(
-            "eu-west", [region], [USER], near_cache=NearCacheConfig(max_entries=10, ttl_s=60)
+            "eu-west",
+            [region],
+            [USER],
+            near_cache=NearCacheConfig(max_entries=10, ttl_s=60),
+            timeout_s=READ_TIMEOUT_S,
         ) as client:
             result = client.get("user", [1, 2])
             assert result.to_dicts()[0] == {"a": 1.0, "b": 2.0}
@@ -209,7 +214,9 @@ def test_writer_writes_and_reader_reads_each_as_its_own_user(clean: AclServer) -
             assert await awriter.client.set(marker, b"1", ex=60)
             assert await awriter.client.expire(marker, 60)
             assert await awriter.client.exists(layout.schema_key("user", 1)) == 1
-        async with AsyncFeatureClient("eu-west", [region], [USER]) as aclient:
+        async with AsyncFeatureClient(
+            "eu-west", [region], [USER], timeout_s=READ_TIMEOUT_S
+        ) as aclient:
             assert (await aclient.get("user", [7])).to_dicts() == [{"a": 7.0, "b": None}]
         # The monitor reads freshness records and samples vector headers as the reader.
         times = await read_region(

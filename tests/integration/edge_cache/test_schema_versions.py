@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from edge_cache_stack import READ_TIMEOUT_S
 
 from edge_cache import (
     Feature,
@@ -31,7 +32,7 @@ def test_old_client_reads_newer_values_prefix(
     writer.publish_schemas()
     writer.upsert("user", 1, {"a": 1.5, "n": 7, "b": 2.5, "flag": True}, Position(1), time.time())
     writer.upsert("user", 2, {"b": 2.5}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [V1]) as client:
+    with FeatureClient("eu-west", regions, [V1], timeout_s=READ_TIMEOUT_S) as client:
         result = client.get("user", [1, 2])
         assert result.to_dicts() == [{"a": 1.5, "n": 7}, {"a": None, "n": None}]
         assert result.found.tolist() == [True, True]
@@ -46,7 +47,7 @@ def test_new_client_reads_older_values_with_new_features_missing(
     new = make_writer(regions[0], [V2])
     new.publish_schemas()
     new.upsert("user", 2, {"a": 0.5, "n": 1, "b": 4.0, "flag": False}, Position(1), time.time())
-    with FeatureClient("eu-west", regions, [V2]) as client:
+    with FeatureClient("eu-west", regions, [V2], timeout_s=READ_TIMEOUT_S) as client:
         result = client.get("user", [1, 2])
         assert result.to_dicts() == [
             {"a": 1.5, "n": -3, "b": None, "flag": None},
@@ -61,7 +62,7 @@ def test_unpublished_newer_version_is_refused(
     writer = make_writer(regions[0], [V2])  # never publishes its schema
     writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
     with (
-        FeatureClient("eu-west", regions, [V1]) as client,
+        FeatureClient("eu-west", regions, [V1], timeout_s=READ_TIMEOUT_S) as client,
         pytest.raises(SchemaVersionError, match=r"schema version 2.*not published.*publish"),
     ):
         client.get("user", [1])
@@ -76,7 +77,7 @@ def test_incompatible_version_is_refused(
     writer.publish_schemas()
     writer.upsert("user", 1, {"a": 1.0, "n": 5}, Position(1), time.time())
     with (
-        FeatureClient("eu-west", regions, [V1]) as client,
+        FeatureClient("eu-west", regions, [V1], timeout_s=READ_TIMEOUT_S) as client,
         pytest.raises(SchemaVersionError, match="not an append-only evolution"),
     ):
         client.get("user", [1])
@@ -88,7 +89,7 @@ def test_same_version_different_schema_is_refused(
     other = FeatureSchema.of("user", {"a": "float32", "m": "int32"})  # also version 1
     make_writer(regions[0], [other]).upsert("user", 1, {"a": 1.0, "m": 5}, Position(1), time.time())
     with (
-        FeatureClient("eu-west", regions, [V1]) as client,
+        FeatureClient("eu-west", regions, [V1], timeout_s=READ_TIMEOUT_S) as client,
         pytest.raises(SchemaVersionError, match="two different schemas share one version"),
     ):
         client.get("user", [1])

@@ -95,7 +95,9 @@ async def test_a_corrupt_or_nan_item_is_dropped_or_refused_by_on_missing(
 ) -> None:
     await _seed(workers_redis_url, i5={"i0": float("nan")})
     await region_cache.set(KeyLayout().key(CONFIG.item_entity, "i3"), b"not a vector at all")
-    client = AsyncFeatureClient("eu-west", [_region(workers_redis_url)], CONFIG.schemas())
+    client = AsyncFeatureClient(
+        "eu-west", [_region(workers_redis_url)], CONFIG.schemas(), timeout_s=5.0
+    )
     async with InferenceServer([_ranker(client)]) as server, WorkerClient(server.url) as http:
         with pytest.raises(WorkerResponseError) as refused:
             await http.rank("ranker", "u1", ["i1", "i3", "i5"])
