@@ -29,12 +29,15 @@ class FreshnessSnapshot:
         quarantined: How many entities the pipeline cannot write (their vectors are
             stale until the cause is fixed).
         quarantine_sample: Up to ``QUARANTINE_SAMPLE`` of them, ``<entity>:<id>`` -> why.
+        rebuilding: Entity types whose history is being rebuilt from the source
+            (pipeline.history): their windows are short until it ends.
     """
 
     records: dict[str, FreshnessRecord]
     sampled_commit_us: dict[str, tuple[int, ...]]
     quarantined: int = 0
     quarantine_sample: tuple[tuple[str, str], ...] = ()
+    rebuilding: tuple[str, ...] = ()
 
 
 QUARANTINE_SAMPLE = 5
@@ -83,11 +86,14 @@ async def read_freshness(
         pairs = page.items() if isinstance(page, dict) else ()
         listed = sorted((_text(entity), _text(reason)) for entity, reason in pairs)
         listed = listed[:QUARANTINE_SAMPLE]
+    fields = await client.hgetall(layout.rebuild_key())
+    rebuilding = sorted({_text(field).partition("|")[0] for field in fields})
     return FreshnessSnapshot(
         records,
         {entity: tuple(sorted(times)) for entity, times in sampled.items()},
         quarantined,
         tuple(listed),
+        tuple(rebuilding),
     )
 
 

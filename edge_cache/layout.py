@@ -273,6 +273,12 @@ class KeyLayout:
         :data:`QUARANTINE_REASON_BYTES` bytes (``ef:quarantine``)."""
         return f"{self.namespace}:quarantine"
 
+    def rebuild_key(self) -> str:
+        """The HASH where the pipeline lists the history rebuilds in progress
+        (pipeline.history): ``<entity>|<partition>`` -> JSON ``{id, table, at_ms}``;
+        an entity type is rebuilding while any field names it (``ef:rebuilding``)."""
+        return f"{self.namespace}:rebuilding"
+
     def freshness_key(self, entity: str) -> str:
         """The HASH where the pipeline records, per entity type, the source commit
         time (``commit_us``), write time (``write_us``) and ``lsn`` of the newest

@@ -60,6 +60,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "edgefeed_region_pending_messages",
     "edgefeed_region_status",
     "edgefeed_region_quarantined_entities",
+    "edgefeed_region_rebuilding",
     "edgefeed_region_behind_seconds",
     "edgefeed_link_up",
     "edgefeed_link_cut_seconds",
@@ -286,13 +287,19 @@ class ReportCollector(Collector):
         )
         state = _gauge(
             "edgefeed_region_status",
-            "1 for the region's current state (OK, IDLE, STALE, NODATA, DOWN).",
+            "1 for the region's current state (OK, IDLE, STALE, NODATA, DOWN, REBUILDING).",
             ["region", "state"],
         )
         quarantined = _gauge(
             "edgefeed_region_quarantined_entities",
             "Entities whose vectors the pipeline cannot write (stale until fixed).",
             ["region"],
+        )
+        rebuilding = _gauge(
+            "edgefeed_region_rebuilding",
+            "1 for each entity type whose history the pipeline is rebuilding from the "
+            "source in the region (its windows are short until it ends).",
+            ["region", "entity"],
         )
         behind = _gauge(
             "edgefeed_region_behind_seconds",
@@ -305,6 +312,8 @@ class ReportCollector(Collector):
                 behind.add_metric([r.region, r.link or ""], r.behind_seconds)
             if r.state != "DOWN":
                 quarantined.add_metric([r.region], r.quarantined)
+                for entity in r.rebuilding:
+                    rebuilding.add_metric([r.region, entity], 1.0)
             for e in r.entities:
                 key = [r.region, e.entity]
                 if e.freshness_seconds is not None:
@@ -318,9 +327,10 @@ class ReportCollector(Collector):
                 region_fresh.add_metric([r.region], r.freshness_seconds)
             if r.pending is not None:
                 pending.add_metric([r.region], r.pending)
-            for s in ("OK", "IDLE", "STALE", "NODATA", "DOWN"):
+            for s in ("OK", "IDLE", "STALE", "NODATA", "DOWN", "REBUILDING"):
                 state.add_metric([r.region, s], 1.0 if r.state == s else 0.0)
         yield from (fresh, delay, oldest, sampled, region_fresh, pending, state, quarantined)
+        yield rebuilding
         yield behind
 
     def _links(self, report: Report) -> Iterator[Metric]:

@@ -39,6 +39,7 @@ class RegionTimes:
     entities: tuple[EntityTimes, ...]
     quarantined: int = 0  # entities the pipeline cannot write
     quarantine_sample: tuple[tuple[str, str], ...] = ()  # (entity:id, why), a few
+    rebuilding: tuple[str, ...] = ()  # entity types whose history is being rebuilt
 
 
 async def read_region(
@@ -86,4 +87,10 @@ async def read_region(
                 sample_commit_us=snapshot.sampled_commit_us.get(entity, ()),
             )
         )
-    return RegionTimes(region, tuple(entities), snapshot.quarantined, snapshot.quarantine_sample)
+    return RegionTimes(
+        region,
+        tuple(entities),
+        snapshot.quarantined,
+        snapshot.quarantine_sample,
+        snapshot.rebuilding,
+    )

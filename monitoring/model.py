@@ -25,7 +25,7 @@ __all__ = [
     "TopicOffsets",
 ]
 
-RegionState = Literal["OK", "IDLE", "STALE", "NODATA", "DOWN"]
+RegionState = Literal["OK", "IDLE", "STALE", "NODATA", "DOWN", "REBUILDING"]
 LinkState = Literal["UP", "CUT", "DOWN"]
 
 
@@ -147,6 +147,8 @@ class RegionReport:
         quarantined: Entities the pipeline cannot write (their vectors stay stale until
             the cause is fixed); any makes the region WARN.
         quarantine_sample: A few of them: (``<entity>:<id>``, why).
+        rebuilding: Entity types whose history the pipeline is rebuilding from the
+            source (pipeline.history): the region is REBUILDING, not OK, until it ends.
     """
 
     region: str
@@ -160,6 +162,7 @@ class RegionReport:
     quarantine_sample: tuple[tuple[str, str], ...] = ()
     behind_seconds: float | None = None
     link: str | None = None
+    rebuilding: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -451,6 +451,9 @@ class Monitor:
             state, severity = "STALE", "ERR"
         else:
             state, severity = "IDLE", "OK"
+        if times.rebuilding and state in ("OK", "IDLE", "NODATA"):
+            # Windows short of the history being rebuilt: never shown as complete.
+            state, severity = "REBUILDING", "WARN"
         if times.quarantined and severity == "OK":
             severity = "WARN"  # some entities' vectors are stuck; the rest flow
         if behind is not None and behind > budget and severity == "OK":
@@ -464,6 +467,7 @@ class Monitor:
             tuple(entities),
             quarantined=times.quarantined,
             quarantine_sample=times.quarantine_sample,
+            rebuilding=times.rebuilding,
             behind_seconds=behind,
             link=link,
         )
@@ -596,6 +600,11 @@ class Monitor:
             if r.severity != "OK" and r.state != "OK":
                 problems.append(
                     f"region {r.region} {r.state}" + (f": {r.error}" if r.error else "")
+                )
+            if r.rebuilding:
+                problems.append(
+                    f"region {r.region}: rebuilding {', '.join(r.rebuilding)} from the source "
+                    "(the stream's history did not cover the windows; vectors short until done)"
                 )
             if r.quarantined:
                 first = r.quarantine_sample[0] if r.quarantine_sample else None

@@ -12,10 +12,12 @@ reaches into Faust's internals is in pipeline.faustcompat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import faust
@@ -44,6 +46,15 @@ from pipeline.faustcompat import (
 )
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
+from pipeline.history import (
+    HistoryGuard,
+    HistoryNeed,
+    SourceRows,
+    history_needs,
+    stream_start_ms,
+    topic_ends,
+)
+from pipeline.history import read_records as read_history_records
 from pipeline.homes import HomeBook
 from pipeline.messages import encode_packs
 from pipeline.metrics import PipelineMetrics
@@ -58,7 +69,13 @@ from pipeline.statestore import (
     store_state,
 )
 
-__all__ = ["PipelineConfig", "build_region_app", "build_router_app", "faust_app"]
+__all__ = [
+    "HistorySource",
+    "PipelineConfig",
+    "build_region_app",
+    "build_router_app",
+    "faust_app",
+]
 
 log = logging.getLogger("edgefeed.pipeline")
 
@@ -140,8 +157,83 @@ def _raw_topic(app: faust.App, name: str, partitions: int) -> Any:
     return app.topic(name, partitions=partitions, key_serializer="raw", value_serializer="raw")
 
 
-def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = None) -> faust.App:
-    """The router: Debezium topics in, per-region change topics out (data residency)."""
+@dataclass(frozen=True, slots=True)
+class HistorySource:
+    """The source side of the router's history check (pipeline.history), built by the
+    CLI from the settings: both calls block (they run in a thread).
+
+    Attributes:
+        rows: (need, cutoff ms) -> what the source holds of the rows the windows need.
+        snapshot: (table, filter) -> the final state of a paced incremental snapshot.
+    """
+
+    rows: Callable[[HistoryNeed, int], SourceRows]
+    snapshot: Callable[[str, str], str]
+
+
+class _RouterHistory:
+    """HistoryPorts on the router's Faust app, its Kafka and the source."""
+
+    def __init__(
+        self,
+        app: faust.App,
+        config: PipelineConfig,
+        source: HistorySource,
+        outputs: Mapping[str, Any],
+        routed: Mapping[tuple[str, int], int],
+        progress: asyncio.Event,
+    ) -> None:
+        self.app, self.config, self.source = app, config, source
+        self.outputs, self.routed, self.progress = outputs, routed, progress
+        self.records = _raw_topic(app, config.names.history_topic, 1)
+        self.bootstrap = list(config.kafka.bootstrap_servers)
+        self.options = config.kafka.security.aiokafka_options()
+
+    async def read_records(self) -> dict[str, dict[str, Any]]:
+        return await read_history_records(
+            self.bootstrap, self.config.names.history_topic, self.options
+        )
+
+    async def write_record(self, key: str, record: Mapping[str, Any]) -> None:
+        sent = await self.records.send(key=key.encode(), value=orjson.dumps(record), partition=0)
+        await wait_delivered(self.app, [sent])
+
+    async def source_rows(self, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
+        return await asyncio.to_thread(self.source.rows, need, cutoff_ms)
+
+    async def stream_start_ms(self, table: str) -> int | None:
+        topic = self.config.source_topics[table]
+        return await stream_start_ms(self.bootstrap, topic, self.options)
+
+    async def send_markers(self, body: bytes) -> None:
+        sent = [
+            await output.send(value=body, partition=partition)
+            for output in self.outputs.values()
+            for partition in range(self.config.pipeline.partitions)
+        ]
+        await wait_delivered(self.app, sent)
+
+    async def snapshot(self, table: str, filter_sql: str) -> str:
+        return await asyncio.to_thread(self.source.snapshot, table, filter_sql)
+
+    async def routed_to_end(self, table: str) -> None:
+        topic = self.config.source_topics[table]
+        ends = await topic_ends(self.bootstrap, topic, self.options)
+        while any(self.routed.get((topic, p), -1) < last for p, last in ends.items()):
+            self.progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.progress.wait(), 1.0)
+
+
+def build_router_app(
+    config: PipelineConfig,
+    metrics: PipelineMetrics | None = None,
+    history: HistorySource | None = None,
+) -> faust.App:
+    """The router: Debezium topics in, per-region change topics out (data residency).
+
+    With ``history``, the router also checks at start that the stream's history
+    covers the windows, and rebuilds what it lacks (pipeline.history)."""
     names = config.names
     app_id = names.router_group
     app = faust_app(app_id, config)
@@ -279,7 +371,13 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
             await wait_delivered(app, home_sent)
         for event in events:
             await acker.stream.ack(event)
+            message = event.message
+            place = (str(message.topic), message.partition)
+            routed[place] = max(routed.get(place, -1), message.offset)
+        progress.set()
 
+    routed: dict[tuple[str, int], int] = {}  # (topic, partition) -> last offset routed
+    progress = asyncio.Event()  # set when a batch was routed
     acker = _FaustAcker()
     batches = QuietBatches(batch_max, within, route_batch)
 
@@ -307,6 +405,33 @@ def build_router_app(config: PipelineConfig, metrics: PipelineMetrics | None = N
             log.exception("the router's batch timer failed; stopping the worker")
             await app.crash(exc)
             raise
+
+    if history is not None:
+        needs = [n for n in history_needs(config.entities) if n.table in config.source_topics]
+        states = ("checking", "complete", "rebuilding", "gap")
+
+        def on_state(need: HistoryNeed, state: str) -> None:
+            for known in states:
+                measured.history.labels(need.table, known).set(1 if known == state else 0)
+
+        guard = HistoryGuard(
+            needs,
+            _RouterHistory(app, config, history, outputs, routed, progress),
+            rebuild=config.pipeline.rebuild,
+            on_state=on_state,
+        )
+
+        @app.task  # type: ignore[untyped-decorator]
+        async def check_history() -> None:
+            delay = 1.0
+            while True:
+                try:
+                    await guard.run()
+                    return
+                except Exception:  # a broker or database blip: never the router's end
+                    log.exception("history check failed; trying again in %.0f s", delay)
+                    await asyncio.sleep(delay)
+                    delay = min(30.0, delay * 2)
 
     return app
 
@@ -355,6 +480,21 @@ class _FaustCache:
         try:
             cache = await self.writer()
             await cache.mark_quarantined(quarantined, released)
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
+
+    async def rebuilding(self, marks: Mapping[str, str | None]) -> None:
+        try:
+            cache = await self.writer()
+            key = cache.core.layout.rebuild_key()
+            listed = {field: value for field, value in marks.items() if value is not None}
+            gone = [field for field, value in marks.items() if value is None]
+            pipe = cache.client.pipeline(transaction=False)
+            if listed:
+                pipe.hset(key, mapping=listed)  # type: ignore[arg-type]
+            if gone:
+                pipe.hdel(key, *gone)
+            await pipe.execute()
         except _UNAVAILABLE as exc:
             raise SinkUnavailableError(f"redis of region {self.region.name}: {exc}") from exc
 

@@ -32,13 +32,16 @@ __all__ = [
     "encode_packs",
 ]
 
-ChangeOp = Literal["c", "u", "r", "d", "x", "t"]
+ChangeOp = Literal["c", "u", "r", "d", "x", "t", "h"]
 """c/u/r: a row written (insert, update, snapshot read); d: a row deleted; x: the
 whole entity removed (its own row deleted, or it moved to another region); t: the
-table truncated (sent to every partition of every region, no entity)."""
+table truncated (sent to every partition of every region, no entity); h: a history
+rebuild of the table begins or ends (pipeline.history; every partition, no entity,
+``row`` holds ``state``, ``id`` and ``entities``)."""
 
 _OPS: frozenset[str] = frozenset(get_args(ChangeOp))
 _ROW_OPS = frozenset(("c", "u", "r"))
+_TABLE_OPS = frozenset(("t", "h"))  # sent to every partition, for no entity
 _I64 = 2**63 - 1
 MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: what the cache can stamp
 _MAX_ID_CHARS = 512
@@ -108,7 +111,7 @@ class RegionalChange:
     def key(self) -> str | None:
         """``entity:id``: the Kafka key that decides the regional partition (None for a
         truncate, which goes to every partition)."""
-        return None if self.op == "t" else f"{self.entity}:{self.entity_id}"
+        return None if self.op in _TABLE_OPS else f"{self.entity}:{self.entity_id}"
 
     @property
     def position(self) -> tuple[int, int]:
@@ -123,7 +126,9 @@ class RegionalChange:
             "seq": self.seq,
             "ts": self.commit_ms,
         }
-        if self.op != "t":
+        if self.op == "h":
+            body["row"] = self.row
+        elif self.op != "t":
             body.update(e=self.entity, id=self.entity_id, pk=self.pk, row=self.row)
         return body
 
@@ -170,6 +175,8 @@ class RegionalChange:
         ts = _position(data, "ts", MAX_TIME_MS)
         if op == "t":
             return cls(table, op, lsn, seq, ts)
+        if op == "h":
+            return cls(table, op, lsn, seq, ts, row=_history_row(table, data.get("row")))
         entity = data.get("e")
         if type(entity) is not str or not entity:
             raise PoisonEventError("undecodable", f"change entity {_shown(entity)} must be a name")
@@ -184,6 +191,24 @@ class RegionalChange:
         else:
             row = None
         return cls(table, op, lsn, seq, ts, entity, entity_id, pk, row)
+
+
+def _history_row(table: str, row: Any) -> dict[str, Any]:
+    """The body of a history marker: ``state`` begin|end, ``id``, ``entities``."""
+    if (
+        type(row) is not dict
+        or row.get("state") not in ("begin", "end")
+        or type(row.get("id")) is not str
+        or not 0 < len(row["id"]) <= _MAX_ID_CHARS
+        or type(row.get("entities")) is not list
+        or not all(type(e) is str and 0 < len(e) <= _MAX_ID_CHARS for e in row["entities"])
+    ):
+        raise PoisonEventError(
+            "undecodable",
+            f"{table}: a history marker needs a row with state 'begin' or 'end', an id "
+            f"and a list of entity names, got {_shown(row)}",
+        )
+    return {"state": row["state"], "id": row["id"], "entities": list(row["entities"])}
 
 
 def encode_packs(bodies: Sequence[bytes], limit: int = PACK_BYTES) -> list[bytes]:

@@ -37,6 +37,7 @@ class PipelineMetrics:
     snapshot_rows: Counter
     renewals: Counter
     renewal_lag: Histogram
+    history: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PipelineMetrics:
@@ -114,6 +115,13 @@ class PipelineMetrics:
                 "edgefeed_pipeline_quarantined_entities",
                 "Entities whose vectors the cache refuses (writes skipped; see the worker log)",
                 ["region"],
+                registry=registry,
+            ),
+            history=Gauge(
+                "edgefeed_pipeline_history_state",
+                "1 for the state of each windowed table's history at the router (checking, "
+                "complete, rebuilding, gap: rows the windows need are not in the stream)",
+                ["table", "state"],
                 registry=registry,
             ),
             snapshot_rows=Counter(

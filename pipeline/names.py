@@ -80,6 +80,12 @@ class PipelineNames:
         """The router's book of entity homes (compacted; entity key -> home region)."""
         return f"{self.router_group}-{HOMES_TABLE}-changelog"
 
+    @property
+    def history_topic(self) -> str:
+        """The router's history records (pipeline.history): per windowed table, whether
+        the stream's history covers its windows (one partition, compacted)."""
+        return f"{self.router_group}-history"
+
     def owns_group(self, group: str) -> bool:
         """True for the groups of this pipeline (router and regions)."""
         return group == self.router_group or group.startswith(self.region_group_prefix)

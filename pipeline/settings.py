@@ -341,6 +341,11 @@ class PipelineSettings(BaseModel):
             events behind them. Redis is written every batch regardless; this
             bounds what a restarted worker replays (at most this much) and makes
             a hot entity cost one changelog record per interval, not per batch.
+        rebuild: What the router does when the stream's history does not cover the
+            windows (the broker lost its topics, retention shorter than a window, a
+            new deployment over recent rows): ``auto`` rebuilds the missing rows by a
+            paced incremental snapshot while streaming goes on; ``off`` logs the gap
+            as an error naming the command to run (pipeline.history).
         gc_full_interval_s: How often the pipeline processes run a full garbage
             collection; in between, long-lived objects are frozen out of the
             collector's sight (see pipeline.gctune): full collections of a big
@@ -360,6 +365,7 @@ class PipelineSettings(BaseModel):
     commit_interval_s: float = Field(default=1.0, gt=0)
     checkpoint_interval_s: float = Field(default=1.0, gt=0, le=60)
     gc_full_interval_s: float = Field(default=600.0, ge=10)
+    rebuild: Literal["auto", "off"] = "auto"
 
     @property
     def names(self) -> PipelineNames:

@@ -43,6 +43,7 @@ _COLOURS = {
     "RUNNING": "green",
     "WARN": "yellow",
     "NODATA": "yellow",
+    "REBUILDING": "yellow",
     "NOTFOUND": "yellow",
     "PAUSED": "yellow",
     "PACED": "green",
@@ -238,6 +239,16 @@ def render(report: Report) -> Group:
                 f"{_seconds(e.sample_oldest_seconds)} ({e.sampled})",
             )
     for r in report.regions:
+        for entity in r.rebuilding:
+            regions.add_row(
+                r.region,
+                _styled("REBUILDING"),
+                "",
+                "",
+                "",
+                f"rebuilding {entity}",
+                "history the stream lacked, re-read from the source: windows short until done",
+            )
         for entity, reason in r.quarantine_sample:
             regions.add_row(r.region, _styled("WARN"), "", "", "", f"quarantined {entity}", reason)
         if r.quarantined > len(r.quarantine_sample):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,6 +15,10 @@ from edgefeed.cli._common import (
     run_reported,
     settings_of,
 )
+
+if TYPE_CHECKING:
+    from edgefeed.settings import EdgefeedSettings
+    from pipeline.app import HistorySource
 
 __all__ = ["register"]
 
@@ -83,6 +87,7 @@ def run(
         for source in settings.sources:
             for table in source.tables:
                 topics[source.topic_for(table.name)] = source.partitions
+        topics[names.history_topic] = 1
     else:
         # On the region's own broker (the central one without sites): its change
         # topic (the forwarder fills it) and its dead letters.
@@ -107,12 +112,41 @@ def run(
     if metrics_port is not None:
         start_http_server(metrics_port, addr="127.0.0.1", registry=REGISTRY)
     app = (
-        build_router_app(config, metrics)
+        build_router_app(config, metrics, _history_source(settings))
         if role == "router"
         else build_region_app(config, region or "", metrics)
     )
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
+
+
+def _history_source(settings: EdgefeedSettings) -> HistorySource:
+    """The router's view of the source for its history check (pipeline.history)."""
+    from connectors.client import ConnectClient
+    from connectors.snapshot import snapshot_paced
+    from pipeline.app import HistorySource
+    from pipeline.history import HistoryNeed, SourceRows, source_rows
+
+    def rows(need: HistoryNeed, cutoff_ms: int) -> SourceRows:
+        return source_rows(settings.database, need, cutoff_ms)
+
+    def snapshot(table: str, filter_sql: str) -> str:
+        with ConnectClient(
+            settings.connect.url,
+            timeout_s=settings.connect.timeout_s,
+            secrets=settings.database.secrets(),
+        ) as client:
+            _, reports = snapshot_paced(
+                client,
+                settings.database,
+                settings.sources,
+                [(table, filter_sql)],
+                settings.kafka.bootstrap_servers,
+                client_options=settings.kafka.security.aiokafka_options(),
+            )
+        return reports[0].state if reports else "ABORTED"
+
+    return HistorySource(rows, snapshot)
 
 
 FORWARDER_READY = "forwarder ready"

@@ -78,6 +78,16 @@ class CacheSink(Protocol):
         """
         ...
 
+    async def rebuilding(self, marks: Mapping[str, str | None]) -> None:
+        """List (a value) or take off the list (None) the rebuilds of entity types in
+        progress, field ``<entity>|<partition>``: what ``edgefeed lag``, the exporter
+        and the lookup client read (pipeline.history).
+
+        Raises:
+            SinkUnavailableError: the cache did not answer (retried by the caller).
+        """
+        ...
+
     async def intact(self) -> bool:
         """False when the cache lost what the worker wrote (a restart without
         persistence): the worker then writes every vector again.
@@ -239,7 +249,11 @@ class RegionRuntime:
             self.batch.add(delivery, len(entries), self.clock())
         for index, entry in enumerate(entries):
             try:
-                self._apply(RegionalChange.from_wire(entry), delivery)
+                change = RegionalChange.from_wire(entry)
+                if change.op == "h":
+                    await self._history_marker(change, delivery)
+                    continue
+                self._apply(change, delivery)
             except Exception as exc:
                 # PoisonEventError for a bad change; anything else is a bug this change
                 # met: dead-lettered with the reason, never a crash (a crash would
@@ -269,6 +283,37 @@ class RegionRuntime:
             self._applied.inc()
         else:
             self._duplicates.inc()
+
+    async def _history_marker(self, change: RegionalChange, delivery: Delivery) -> None:
+        """A history rebuild of ``change.table`` begins or ends (pipeline.history): the
+        entity types it feeds are listed as rebuilding in the cache until the end
+        marker, which the router sends after the rebuild's rows on this partition;
+        those rows are written before the listing ends."""
+        row = change.row or {}
+        begin = row.get("state") == "begin"
+        await self.flush()  # what came before the marker is in the cache first
+        value = orjson.dumps(
+            {"id": row.get("id"), "table": change.table, "at_ms": change.commit_ms}
+        ).decode()
+        marks = {f"{e}|{delivery.partition}": value if begin else None for e in row["entities"]}
+        delay = self.retry_first_s
+        while True:
+            try:
+                await self.cache.rebuilding(marks)
+                break
+            except SinkUnavailableError as exc:
+                log.warning("region %s: cache unavailable (%s); retrying", self.region, exc)
+                await asyncio.sleep(delay)
+                delay = min(self.retry_max_s, delay * 2)
+        log.warning(
+            "region %s: history rebuild %s of %s %s on partition %d (%s)",
+            self.region,
+            row.get("id"),
+            change.table,
+            "begins" if begin else "ended",
+            delivery.partition,
+            ", ".join(row["entities"]),
+        )
 
     def _truncate(self, change: RegionalChange, delivery: Delivery) -> None:
         for key in list(self.live):

@@ -188,3 +188,32 @@ def test_lag_lists_quarantined_entities_with_the_reason() -> None:
     text = console.export_text()
     assert "quarantined user:8" in text and "OverflowError: too big" in text
     assert "1 more quarantined" in text  # 2 quarantined, one of them listed
+
+
+def test_a_rebuilding_region_is_shown_and_exported_never_ok() -> None:
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from edgefeed.cli.monitoring import render
+
+    report = sample_report()
+    (region,) = report.regions
+    rebuilding = replace(region, state="REBUILDING", rebuilding=("item", "user"))
+    report = replace(report, regions=(rebuilding,))
+    console = Console(width=200, record=True)
+    console.print(render(report))
+    text = console.export_text()
+    assert "rebuilding item" in text and "rebuilding user" in text
+    collector = ReportCollector(freshness_budget_s=5.0, slot_wal_bound_bytes=1024)
+    collector.update(report, 0.1)
+    exported = generate_latest(make_registry(collector)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(exported)}
+    marks = {s.labels["entity"]: s.value for s in families["edgefeed_region_rebuilding"].samples}
+    assert marks == {"item": 1.0, "user": 1.0}
+    states = {
+        s.labels["state"]: s.value
+        for s in families["edgefeed_region_status"].samples
+        if s.value == 1.0
+    }
+    assert states == {"REBUILDING": 1.0}

@@ -199,6 +199,7 @@ class FakeCache:
         self.quarantine_list: dict[str, str] = {}  # what monitoring reads
         self.writes: list[tuple[list[str], bool]] = []  # (entity keys, with freshness)
         self.ops: dict[str, Upsert | Delete] = {}
+        self.rebuilds: dict[str, str] = {}  # the rebuilding list (field -> value)
 
     async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
         if self.down_for:
@@ -206,6 +207,17 @@ class FakeCache:
         for key in released:
             self.quarantine_list.pop(key, None)
         self.quarantine_list.update(quarantined)
+
+    async def rebuilding(self, marks: Mapping[str, str | None]) -> None:
+        if self.down_for:
+            self.down_for -= 1
+            raise SinkUnavailableError("connection refused")
+        for field, value in marks.items():
+            if value is None:
+                self.rebuilds.pop(field, None)
+            else:
+                self.rebuilds[field] = value
+        self.journal.events.append(("rebuilding", sorted(self.rebuilds)))
 
     async def intact(self) -> bool:
         if self.lost:
@@ -653,3 +665,56 @@ async def test_after_recovery_every_vector_with_windows_is_renewed() -> None:
     runtime.recovered(states)
     await runtime.tick()
     assert cache.writes == [(["user:7", "user:8"], False)]
+
+
+# -- history rebuild markers (pipeline.history) ----------------------------------------------
+
+
+def marker(state: str, rebuild_id: str = "rebuild-1") -> dict[str, Any]:
+    row = {"state": state, "id": rebuild_id, "entities": ["user", "item"]}
+    return {"t": "public.events", "op": "h", "lsn": 0, "seq": 0, "ts": T0, "row": row}
+
+
+async def test_a_rebuild_is_listed_from_its_begin_marker_to_its_end_marker() -> None:
+    runtime, journal, cache, _changelog, dead, clock = make_runtime()
+    await runtime.on_message(Delivery(1, 1), pack(marker("begin")))
+    assert sorted(cache.rebuilds) == ["item|1", "user|1"]
+    assert orjson.loads(cache.rebuilds["user|1"])["id"] == "rebuild-1"
+    await runtime.on_message(Delivery(1, 2), pack(view(1, 7, 10)))  # a rebuilt row
+    await runtime.on_message(Delivery(1, 3), pack(marker("end")))
+    # The row before the end marker reached the cache before the listing ended.
+    kinds = [kind for kind, _ in journal.events]
+    assert kinds == ["rebuilding", "cache", "rebuilding"]
+    assert cache.vectors["user:7"]["views_30m"] == 1
+    assert cache.rebuilds == {}
+    assert dead.sent == []
+    clock.now += 2.0
+    await runtime.tick()
+    await asyncio.wait_for(runtime._checkpoint_task, 5)  # type: ignore[arg-type]
+    assert acked(journal) == [1, 2, 3]  # the markers are acked like any message
+
+
+async def test_a_rebuild_marker_waits_for_a_cache_that_does_not_answer() -> None:
+    runtime, _journal, cache, _changelog, dead, _clock = make_runtime()
+    cache.down_for = 2
+    await runtime.on_message(Delivery(0, 1), pack(marker("begin")))
+    assert sorted(cache.rebuilds) == ["item|0", "user|0"]
+    assert dead.sent == []
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        None,
+        {"state": "maybe", "id": "x", "entities": ["user"]},
+        {"state": "begin", "id": 7, "entities": ["user"]},
+        {"state": "begin", "id": "x", "entities": "user"},
+        {"state": "end", "id": "", "entities": ["user"]},
+    ],
+)
+async def test_a_malformed_rebuild_marker_is_dead_lettered(row: Any) -> None:
+    runtime, _journal, cache, _changelog, dead, _clock = make_runtime()
+    bad = {"t": "public.events", "op": "h", "lsn": 0, "seq": 0, "ts": T0, "row": row}
+    await runtime.on_message(Delivery(0, 1), pack(bad))
+    assert cache.rebuilds == {}
+    assert [(offset, reason) for offset, _i, reason, _v in dead.sent] == [(1, "undecodable")]

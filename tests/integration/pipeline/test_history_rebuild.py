@@ -1,0 +1,135 @@
+"""Issue 34 on the real stack: rows the windows need that the stream never carried
+(history that begins after them: a lost broker, a retention shorter than a window, a
+new deployment over recent rows) are rebuilt by the router without an operator, and
+the region says it is rebuilding until they are in its cache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from e2e_harness import PipelineRun, shop_pipeline, shop_settings
+from stackhelpers import unique_name
+
+from edge_cache import KeyLayout
+from edgefeed.devstack import DevStack
+from edgefeed.verify import verify
+from monitoring.freshness import read_region
+from pipeline.history import read_records
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
+
+REGION = "eu-west"
+USERS = range(3001, 3041)  # 40 users of eu-west
+EVENTS_PER_USER = 60  # one every 15 min over the last 15 hours: inside the 1d windows
+
+
+@pytest.fixture
+def run(
+    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path: Path
+) -> Iterator[tuple[PipelineRun, dict[str, Any]]]:
+    tag = unique_name("hist").lower()
+    schema = f"s_{tag}"
+    mapping = shop_settings(stack_mapping, schema, tag)
+    anchor = datetime.now(UTC)
+
+    def history(conn: psycopg.Connection[Any]) -> None:
+        # Events written before the connector existed: the stream never carries them.
+        conn.execute(
+            f"INSERT INTO {schema}.events (user_id, item_id, category_id, price, home_region, "
+            "kind, occurred_at) SELECT u, 100 + i %% 7, i %% 3, 1.50, %s, "
+            "CASE WHEN i %% 4 = 0 THEN 'purchase' ELSE 'view' END, "
+            "%s::timestamptz - make_interval(mins => 15 * i) "
+            "FROM generate_series(%s::int, %s::int) AS u, generate_series(1, %s::int) AS i",
+            (REGION, anchor, USERS.start, USERS.stop - 1, EVENTS_PER_USER),
+        )
+
+    with shop_pipeline(mapping, schema, tmp_path, [], seed=history) as pipeline:
+        yield pipeline, mapping
+
+
+class RebuildWatch(threading.Thread):
+    """Reads the region as `edgefeed lag` does, every 20 ms, and keeps what it saw."""
+
+    def __init__(self, pipeline: PipelineRun) -> None:
+        super().__init__(name="rebuild-watch", daemon=True)
+        self.region = pipeline.settings.region(REGION)
+        self.seen: set[tuple[str, ...]] = set()
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        async def poll() -> None:
+            while not self.halt.is_set():
+                times = await read_region(
+                    REGION,
+                    self.region.redis_url,
+                    sample_size=0,
+                    redis_options=self.region.redis_options("reader"),
+                )
+                self.seen.add(times.rebuilding)
+                await asyncio.sleep(0.02)
+
+        asyncio.run(poll())
+
+
+@pytest.mark.timeout(900)
+def test_rows_the_stream_never_carried_are_rebuilt_without_an_operator(
+    run: tuple[PipelineRun, dict[str, Any]], region_redis: dict[str, redis.Redis]
+) -> None:
+    pipeline, _mapping = run
+    settings = pipeline.settings
+    watch = RebuildWatch(pipeline)
+    watch.start()
+    try:
+        pipeline.start(REGION)
+        pipeline.start("router")  # the router checks the history at start
+        # The users stream in (their latest values are not windowed).
+        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+            conn.execute(
+                f"INSERT INTO {pipeline.table('users')} (user_id, home_region, country, "
+                "segment, email) SELECT u, %s, 'DE', 1, 'x@example.org' "
+                "FROM generate_series(%s::int, %s::int) u",
+                (REGION, USERS.start, USERS.stop - 1),
+            )
+        deadline = time.monotonic() + 300
+        while True:
+            report = verify(settings, [REGION])
+            if report.ok and report.checked[REGION] >= len(USERS):
+                break
+            assert time.monotonic() < deadline, report.to_dict()["mismatches"][:5]
+            time.sleep(1)
+        # The region is listed as rebuilding only until the rows are in its cache.
+        cache = region_redis[REGION]
+        end = time.monotonic() + 60
+        while cache.hlen(KeyLayout().rebuild_key()) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert cache.hlen(KeyLayout().rebuild_key()) == 0
+    finally:
+        watch.halt.set()
+        watch.join(timeout=30)
+    assert ("item", "user") in watch.seen, watch.seen  # `edgefeed lag` showed the rebuild
+    assert () in watch.seen
+    # The router recorded the history complete, and a restart does not rebuild again.
+    names = settings.pipeline.names
+    records = asyncio.run(read_records(settings.kafka.bootstrap_servers, names.history_topic, {}))
+    (record,) = records.values()
+    assert record["state"] == "complete" and record["id"].startswith("rebuild-")
+    log = (pipeline.logs / "router.log").read_text()
+    assert log.count("history gap:") == 1
+    assert "rows of " + pipeline.table("events") in log
+    pipeline.kill9("router")
+    pipeline.start("router")
+    recorded = f"history of {pipeline.table('events')} covers its windows (recorded complete)"
+    deadline = time.monotonic() + 120
+    while recorded not in (pipeline.logs / "router.log").read_text():
+        assert time.monotonic() < deadline, "the restarted router did not check its history"
+        time.sleep(0.2)
+    assert (pipeline.logs / "router.log").read_text().count("history gap:") == 1
