@@ -35,7 +35,15 @@ from redis.retry import Retry
 
 from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
-from edge_cache.core import Failure, LookupCore, ReadSchema, ReadTypes, Reply, Step
+from edge_cache.core import (
+    Failure,
+    LookupCore,
+    ReadRebuilding,
+    ReadSchema,
+    ReadTypes,
+    Reply,
+    Step,
+)
 from edge_cache.exceptions import ConfigError, PoolExhaustedError
 from edge_cache.layout import KeyLayout
 from edge_cache.metrics import LookupStats
@@ -469,6 +477,8 @@ class FeatureClient(_Base):
             client = self._client(step.region)
             if isinstance(step, ReadSchema):
                 return client.get(step.key)  # type: ignore[return-value]
+            if isinstance(step, ReadRebuilding):
+                return client.hgetall(step.key)  # type: ignore[return-value]
             if isinstance(step, ReadTypes):
                 pipe = client.pipeline(transaction=False)
                 for key in step.keys:
@@ -599,6 +609,8 @@ class AsyncFeatureClient(_Base):
                 client = self.clients[step.region]
                 if isinstance(step, ReadSchema):
                     return await client.get(step.key)  # type: ignore[return-value]
+                if isinstance(step, ReadRebuilding):
+                    return await client.hgetall(step.key)  # type: ignore[return-value]
                 if isinstance(step, ReadTypes):
                     pipe = client.pipeline(transaction=False)
                     for key in step.keys:

@@ -46,6 +46,7 @@ __all__ = [
     "LookupRun",
     "Plan",
     "Read",
+    "ReadRebuilding",
     "ReadSchema",
     "Reply",
     "Step",
@@ -100,6 +101,19 @@ class ReadTypes:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadRebuilding:
+    """A step of a lookup: ``HGETALL`` of the region's list of history rebuilds in
+    progress (``ef:rebuilding``); asked at most every :data:`REBUILD_CHECK_S` per region,
+    after a successful read; answer: the hash (a Failure keeps what was known)."""
+
+    region: str
+    key: str
+
+
+REBUILD_CHECK_S = 1.0  # how often a client asks a region which entity types are rebuilding
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """What a face sends back when a step's read failed (timeout, connection).
 
@@ -112,11 +126,13 @@ class Failure:
     reason: str
 
 
-Step = Read | ReadSchema | ReadTypes
+Step = Read | ReadSchema | ReadTypes | ReadRebuilding
 #: What a face sends back for a step, or a Failure: for a Read, the values and how many
 #: of the keys exist (None when the face cannot tell: a cluster); for a ReadSchema, the
 #: document; for a ReadTypes, the type names.
-Reply = tuple[list[bytes | None], int | None] | list[str] | bytes | Failure | None
+Reply = (
+    tuple[list[bytes | None], int | None] | list[str] | bytes | dict[bytes, bytes] | Failure | None
+)
 #: The generator :meth:`LookupCore.lookup` returns: yields steps, is sent their answers.
 Lookup = Generator[Step, Reply, FeatureVectors]
 
@@ -219,6 +235,8 @@ class LookupCore:
                     f"given: {', '.join(self.regions)}"
                 )
         self.layout = layout or KeyLayout()
+        # region -> (monotonic time of the last check, entity types rebuilding there)
+        self.rebuilding: dict[str, tuple[float, frozenset[str]]] = {}
         self.readers: dict[str, RecordReader] = {}
         for schema in schemas:
             if schema.entity in self.readers:
@@ -340,6 +358,7 @@ class LookupCore:
             max_staleness_us=plan.max_staleness_us,
             near_hits=near_hits,
             corrupt=tuple(sorted(decoded.corrupt)),
+            rebuilding=plan.schema.entity in self.rebuilding.get(region, (0.0, frozenset()))[1],
         )
 
     def record(self, plan: Plan, result: FeatureVectors, started: float) -> None:
@@ -477,6 +496,12 @@ class LookupCore:
                 near.fill(read_keys, read_values, ticket)
                 for index, value in zip(misses, read_values, strict=True):
                     raws[index] = value
+        checked = self.rebuilding.get(name)
+        if checked is None or time.monotonic() - checked[0] >= REBUILD_CHECK_S:
+            listed = yield ReadRebuilding(name, self.layout.rebuild_key())
+            if isinstance(listed, dict):
+                entities = frozenset(_text(field).partition("|")[0] for field in listed)
+                self.rebuilding[name] = (time.monotonic(), entities)
         decoded = plan.reader.decode(raws, plan.ids, plan.at_us)
         if decoded.needs:
             for version, fingerprint in decoded.needs:
@@ -512,3 +537,7 @@ class LookupCore:
                 )
                 decoded = replace(decoded, corrupt=decoded.corrupt + extra)
         return decoded, hits
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

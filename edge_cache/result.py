@@ -151,6 +151,9 @@ class FeatureVectors:
             as missing (``found`` False), and the reason names the key.
         near_hits: How many rows were answered by the in-process near cache (found or
             known absent).
+        rebuilding: The region is rebuilding this entity type's history from the
+            source (pipeline.history): windowed values may be short until it ends. A
+            call with ``max_staleness`` withholds them (every row ``stale``).
     """
 
     entity: str
@@ -168,6 +171,7 @@ class FeatureVectors:
     _rows: np.ndarray[Any, np.dtype[np.intp]] = field(repr=False)
     _projection: Projection = field(repr=False)
     corrupt: tuple[tuple[int, str], ...] = ()
+    rebuilding: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -246,6 +250,7 @@ def build_vectors(
     max_staleness_us: int | None,
     near_hits: int,
     corrupt: tuple[tuple[int, str], ...] = (),
+    rebuilding: bool = False,
 ) -> FeatureVectors:
     """Assemble a :class:`FeatureVectors` from decoded records (shared by both client faces)."""
     n = len(ids)
@@ -265,6 +270,8 @@ def build_vectors(
             write[rows] = records["write_us"]
     if max_staleness_us is not None and len(rows):
         too_old = (now_us - records["commit_us"]) > max_staleness_us
+        if rebuilding:  # known short: no vector of the type is within a staleness bound
+            too_old = np.ones(len(rows), dtype=np.bool_)
         if too_old.any():
             stale[rows[too_old]] = True
             fresh = ~too_old
@@ -309,6 +316,7 @@ def build_vectors(
         commit_time=commit.view(_MICROS),
         write_time=write.view(_MICROS),
         near_hits=near_hits,
+        rebuilding=rebuilding,
         _records=records,
         _rows=rows,
         _projection=projection,

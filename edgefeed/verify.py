@@ -16,7 +16,7 @@ from edgefeed.lookup import feature_schemas
 from edgefeed.settings import EdgefeedSettings
 from pipeline.recompute import Mismatch, compare, expected_vectors
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "verify", "verify_until"]
 
 
 @dataclass(slots=True)
@@ -111,4 +111,21 @@ def verify(
         report.checked[name] = sum(len(v) for v in found.values())
         report.mismatches.extend(compare(name, expected[name], found))
         report.unverifiable = sorted(expected[name].unverifiable)
+    return report
+
+
+def verify_until(
+    settings: EdgefeedSettings,
+    regions: Sequence[str] | None = None,
+    timeout_s: float = 120.0,
+    interval_s: float = 2.0,
+) -> VerifyReport:
+    """:func:`verify` again every ``interval_s`` until it passes or ``timeout_s`` has
+    passed (the last changes, or a history rebuild, may still be on their way); the
+    last report."""
+    deadline = time.monotonic() + timeout_s
+    report = verify(settings, regions)
+    while not report.ok and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        report = verify(settings, regions)
     return report

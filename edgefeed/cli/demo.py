@@ -274,11 +274,20 @@ def run(
 
     console.rule("7. edgefeed lag: consumer lag, freshness, replication slots, connectors")
     subprocess.run([*base, "lag"], check=False)
+
+    console.rule("8. every region equals a recomputation from PostgreSQL (no loss, no double)")
+    from edgefeed.cli.demo_sites import print_verified
+    from edgefeed.verify import verify_until
+
+    report = run_reported(lambda: verify_until(settings, settings.region_names, timeout_s=120))
+    print_verified(report)
     console.print(
         "the stack, the pipeline, the exporter and the model worker keep running; stop "
         f"everything with: edgefeed "
         f"{'--settings ' + str(settings_path) + ' ' if settings_path else ''}dev down"
     )
+    if not report.ok:
+        raise typer.Exit(EXIT_ERROR)
 
 
 def _free_port() -> int:

@@ -24,9 +24,10 @@ from edgefeed.cli.dev import print_status
 
 if TYPE_CHECKING:
     from edgefeed.settings import EdgefeedSettings
+    from edgefeed.verify import VerifyReport
     from edgefeed.wan import WanControl
 
-__all__ = ["caught_up", "freshness_line", "sites_demo"]
+__all__ = ["caught_up", "freshness_line", "print_verified", "sites_demo"]
 
 StateDir = Annotated[
     Path, typer.Option("--state-dir", envvar="EDGEFEED_STATE_DIR", help="Local stack state.")
@@ -77,6 +78,20 @@ def caught_up(freshness: dict[str, float | None], region: str, budget_s: float) 
         return False
     others = [v for name, v in freshness.items() if name != region and v is not None]
     return value <= max(budget_s, min(others, default=0.0) + budget_s)
+
+
+def print_verified(report: VerifyReport) -> None:
+    """The verification's line: equal, or NOT equal with a few of the differences."""
+    console.print(
+        f"  {'[green]equal[/]' if report.ok else '[red]NOT equal[/]'}: "
+        f"{sum(report.checked.values())} vectors checked, {len(report.mismatches)} mismatches"
+    )
+    for m in report.mismatches[:5]:
+        console.print(
+            f"    {m.region} {m.entity}:{m.entity_id} {m.what} expected {m.expected!r} "
+            f"found {m.found!r}",
+            markup=False,
+        )
 
 
 def _link_states(wan: WanControl) -> dict[str, str]:
@@ -138,7 +153,7 @@ def sites_demo(
     from edgefeed.devstack import DevStack
     from edgefeed.settings import SettingsError
     from edgefeed.shopload import ShopLoad, apply_schema
-    from edgefeed.verify import verify
+    from edgefeed.verify import verify_until
     from edgefeed.wan import WanControl
 
     settings = settings_of(ctx)
@@ -226,15 +241,8 @@ def sites_demo(
     )
 
     console.rule("5. every region equals a recomputation from PostgreSQL (no loss, no double)")
-    deadline = time.monotonic() + 120
-    report = verify(settings, settings.region_names)
-    while not report.ok and time.monotonic() < deadline:
-        time.sleep(2.0)
-        report = verify(settings, settings.region_names)
-    console.print(
-        f"  {'[green]equal[/]' if report.ok else '[red]NOT equal[/]'}: "
-        f"{sum(report.checked.values())} vectors checked, {len(report.mismatches)} mismatches"
-    )
+    report = verify_until(settings, settings.region_names, timeout_s=120)
+    print_verified(report)
     console.print(
         "the sites and the pipeline keep running; `edgefeed --settings "
         f"{settings_path or 'edgefeed.yaml'} lag` shows links and seconds behind; stop "

@@ -155,3 +155,45 @@ def test_default_staleness_bound_and_per_call_override() -> None:
     )
     with pytest.raises(InvalidValueError, match="max_staleness"):
         LookupCore("eu-west", REGIONS, [PERSONAL], max_staleness=-1)
+
+
+def test_a_rebuilding_region_is_said_and_a_staleness_bound_withholds_its_vectors() -> None:
+    """The list of rebuilds (pipeline.history) is read at most once a second per region,
+    after a read that succeeded; the result says so, and a call with a staleness bound
+    gets no vector of a type whose windows are known short."""
+    import time
+
+    from edge_cache import Position
+    from edge_cache.core import Failure, Read, ReadRebuilding
+    from edge_cache.layout import RecordLayout
+
+    core = LookupCore("eu-west", REGIONS, [PERSONAL])
+    breakers = {name: CircuitBreaker() for name in core.regions}
+    now_us = int(time.time() * 1_000_000)
+    value = RecordLayout(PERSONAL).encode({"a": 1.0}, Position(5, 0), now_us, now_us)
+
+    def lookup(listed: object, max_staleness: float | None = None) -> tuple[object, list[str]]:
+        plan = core.plan("user", [1], None, max_staleness)
+        run = core.start(plan, breakers, None, time.perf_counter())
+        asked: list[str] = []
+        step = run.send(None)
+        while step is not None:
+            asked.append(type(step).__name__)
+            reply = ([value], 1) if isinstance(step, Read) else listed
+            assert isinstance(step, Read | ReadRebuilding)
+            step = run.send(reply)  # type: ignore[arg-type]
+        return run.result, asked
+
+    result, asked = lookup({b"user|0": b"{}", b"item|1": b"{}"})
+    assert asked == ["Read", "ReadRebuilding"]
+    assert result.rebuilding and result.found.tolist() == [True]  # served, and said
+    result, asked = lookup({}, max_staleness=60.0)  # within the second: not asked again
+    assert asked == ["Read"]
+    assert result.rebuilding and result.stale.tolist() == [True]
+    assert result.found.tolist() == [False] and not result.present.any()
+    core.rebuilding["eu-west"] = (0.0, core.rebuilding["eu-west"][1])  # a second later
+    result, asked = lookup(Failure("timeout", "timed out"))  # unknown: what was known holds
+    assert asked == ["Read", "ReadRebuilding"] and result.rebuilding
+    core.rebuilding["eu-west"] = (0.0, core.rebuilding["eu-west"][1])
+    result, _ = lookup({}, max_staleness=60.0)  # the rebuild ended
+    assert not result.rebuilding and result.found.tolist() == [True]
