@@ -50,8 +50,9 @@ from pipeline.history import (
     HistoryGuard,
     HistoryNeed,
     SourceRows,
+    StreamStart,
     history_needs,
-    stream_start_ms,
+    stream_start,
     topic_ends,
 )
 from pipeline.history import read_records as read_history_records
@@ -168,7 +169,7 @@ class HistorySource:
     """
 
     rows: Callable[[HistoryNeed, int], SourceRows]
-    snapshot: Callable[[str, str], str]
+    snapshot: Callable[[str, str | None], str]
 
 
 class _RouterHistory:
@@ -201,9 +202,9 @@ class _RouterHistory:
     async def source_rows(self, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
         return await asyncio.to_thread(self.source.rows, need, cutoff_ms)
 
-    async def stream_start_ms(self, table: str) -> int | None:
+    async def stream_start(self, table: str) -> StreamStart | None:
         topic = self.config.source_topics[table]
-        return await stream_start_ms(self.bootstrap, topic, self.options)
+        return await stream_start(self.bootstrap, topic, self.options)
 
     async def send_markers(self, body: bytes) -> None:
         sent = [
@@ -213,7 +214,7 @@ class _RouterHistory:
         ]
         await wait_delivered(self.app, sent)
 
-    async def snapshot(self, table: str, filter_sql: str) -> str:
+    async def snapshot(self, table: str, filter_sql: str | None) -> str:
         return await asyncio.to_thread(self.source.snapshot, table, filter_sql)
 
     async def routed_to_end(self, table: str) -> None:

@@ -73,6 +73,7 @@ __all__ = [
     "HistoryNeed",
     "HistoryPorts",
     "SourceRows",
+    "StreamStart",
     "history_marker",
     "history_needs",
     "rebuild_filter",
@@ -96,20 +97,33 @@ class HistoryNeed:
 
     Attributes:
         table: ``schema.table``.
-        time_column: The column whose value places a row in a window.
-        window_ms: The longest window over it (a zone's day counts 25 hours).
-        entities: The entity types whose windows read it.
+        time_column: The column whose value places a row in a window; None for a
+            table that feeds no window (latest values): every row is needed.
+        window_ms: The longest window over it (a zone's day counts 25 hours); None
+            with ``time_column``.
+        entities: The entity types that read it.
     """
 
     table: str
-    time_column: str
-    window_ms: int
+    time_column: str | None
+    window_ms: int | None
     entities: tuple[str, ...]
 
     @property
     def key(self) -> str:
         """The history record's key."""
-        return f"{self.table}.{self.time_column}"
+        return self.table if self.time_column is None else f"{self.table}.{self.time_column}"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStart:
+    """Where the stream's history of a table begins: the source commit time of the
+    first record of its topic (the earliest over its partitions), and whether every
+    partition begins with the connector's initial snapshot of the table (its rows
+    were all read then)."""
+
+    commit_ms: int
+    snapshotted: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,29 +136,41 @@ class SourceRows:
 
 
 def history_needs(entities: Iterable[EntitySettings]) -> list[HistoryNeed]:
-    """Every windowed (table, time column), with its longest window and its entity types."""
-    found: dict[tuple[str, str], tuple[int, list[str]]] = {}
+    """Every table the features read: a windowed one per (table, time column), with its
+    longest window; one without windows (latest values) whole. With their entity types."""
+    windowed: dict[tuple[str, str], tuple[int, list[str]]] = {}
+    whole: dict[str, list[str]] = {}
     for entity in entities:
         for table, needs in EntityEngine(entity).needs.items():
             if needs.retention_ms is None or needs.time_column is None:
+                whole.setdefault(table, []).append(entity.name)
                 continue
-            window, names = found.get((table, needs.time_column), (0, []))
-            found[(table, needs.time_column)] = (
+            window, names = windowed.get((table, needs.time_column), (0, []))
+            windowed[(table, needs.time_column)] = (
                 max(window, needs.retention_ms),
                 [*names, entity.name],
             )
-    return [
+    found = [
         HistoryNeed(table, column, window, tuple(sorted(set(names))))
-        for (table, column), (window, names) in sorted(found.items())
+        for (table, column), (window, names) in windowed.items()
     ]
+    found += [
+        HistoryNeed(table, None, None, tuple(sorted(set(names))))
+        for table, names in whole.items()
+        if not any(n.table == table for n in found)  # a windowed table is checked by time
+    ]
+    return sorted(found, key=lambda n: n.key)
 
 
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat()
 
 
-def rebuild_filter(need: HistoryNeed, cutoff_ms: int) -> str:
-    """The snapshot filter selecting the rows the windows still need."""
+def rebuild_filter(need: HistoryNeed, cutoff_ms: int) -> str | None:
+    """The snapshot filter selecting the rows the windows still need (None: every row,
+    for a table without windows)."""
+    if need.time_column is None:
+        return None
     column = '"' + need.time_column.replace('"', '""') + '"'
     return f"{column} > '{_iso(cutoff_ms)}'::timestamptz"
 
@@ -177,16 +203,15 @@ class HistoryPorts(Protocol):
         """Raises HistoryColumnError when the time column is missing or not a time."""
         ...
 
-    async def stream_start_ms(self, table: str) -> int | None:
-        """The source commit time of the first record of the table's topic (None:
-        the topic holds nothing yet)."""
+    async def stream_start(self, table: str) -> StreamStart | None:
+        """Where the table's topic begins (None: it holds nothing yet)."""
         ...
 
     async def send_markers(self, body: bytes) -> None:
         """Send ``body`` to every partition of every regional topic."""
         ...
 
-    async def snapshot(self, table: str, filter_sql: str) -> str:
+    async def snapshot(self, table: str, filter_sql: str | None) -> str:
         """Signal a paced incremental snapshot and follow it to its end; its final
         state (``COMPLETED``, ``ABORTED``, ``TIMEOUT``).
 
@@ -240,42 +265,58 @@ class HistoryGuard:
     async def _check(self, need: HistoryNeed, record: Mapping[str, Any]) -> None:
         self._set(need, "checking")
         now_ms = int(self.wall() * 1000)
-        cutoff_ms = now_ms - need.window_ms
+        cutoff_ms = now_ms - (need.window_ms or 0)
         try:
             rows = await self.ports.source_rows(need, cutoff_ms)
         except HistoryColumnError as exc:
             log.error("history of %s cannot be checked: %s", need.table, exc)
             self._set(need, "gap")
             return
-        if rows.count == 0 or rows.oldest_ms is None:
-            await self._complete(need, now_ms, "no row inside the windows")
+        if rows.count == 0:
+            await self._complete(need, now_ms, "no row the features need")
             return
-        start_ms = await self.ports.stream_start_ms(need.table)
-        covered = start_ms is not None and start_ms <= rows.oldest_ms
+        start = await self.ports.stream_start(need.table)
+        if need.time_column is None:  # every row counts: read whole by the connector?
+            covered = start is not None and start.snapshotted
+        else:
+            covered = start is not None and start.commit_ms <= (rows.oldest_ms or 0)
         if covered and record.get("state") != "rebuilding":  # an interrupted one goes on
-            await self._complete(need, now_ms, f"the stream begins at {_iso(start_ms or 0)}")
+            why = "it begins with the connector's snapshot of the table"
+            if need.time_column is not None and start is not None:
+                why = f"the stream begins at {_iso(start.commit_ms)}"
+            await self._complete(need, now_ms, why)
             return
-        begins = "holds none of it" if start_ms is None else f"begins at {_iso(start_ms)}"
+        begins = (
+            "holds none of it"
+            if start is None
+            else f"begins at {_iso(start.commit_ms)}"
+            + ("" if start.snapshotted else ", without a snapshot of the table")
+        )
         filter_sql = rebuild_filter(need, cutoff_ms)
+        wanted = (
+            "every row"
+            if need.time_column is None
+            else f"{need.time_column} since {_iso(cutoff_ms)}, the oldest at "
+            f"{_iso(rows.oldest_ms or cutoff_ms)}"
+        )
         log.warning(
-            "history gap: %d rows of %s that the windows of %s still need (%s since %s, "
-            "the oldest at %s) are not all in the stream, whose history %s",
+            "history gap: %d rows of %s that the features of %s still need (%s) are not "
+            "all in the stream, whose history %s",
             rows.count,
             need.table,
             ", ".join(need.entities),
-            need.time_column,
-            _iso(cutoff_ms),
-            _iso(rows.oldest_ms),
+            wanted,
             begins,
         )
         if self.rebuild != "auto":
             self._set(need, "gap")
+            command = f"edgefeed connectors snapshot --table {need.table}" + (
+                "" if filter_sql is None else f' --filter "{filter_sql}"'
+            )
             log.error(
-                "pipeline.rebuild is off: the windows of %s are short until you run "
-                "`edgefeed connectors snapshot --table %s --filter %r`",
+                "pipeline.rebuild is off: the features of %s are short until you run `%s`",
                 ", ".join(need.entities),
-                need.table,
-                filter_sql,
+                command,
             )
             await self.ports.write_record(
                 need.key, {"state": "gap", "filter": filter_sql, "at_ms": now_ms}
@@ -288,7 +329,7 @@ class HistoryGuard:
         log.info("history of %s covers its windows (%s)", need.table, why)
         self._set(need, "complete")
 
-    async def _rebuild(self, need: HistoryNeed, filter_sql: str, cutoff_ms: int) -> None:
+    async def _rebuild(self, need: HistoryNeed, filter_sql: str | None, cutoff_ms: int) -> None:
         rebuild_id = f"rebuild-{uuid.uuid4().hex[:12]}"
         self._set(need, "rebuilding")
         await self.ports.write_record(
@@ -326,7 +367,7 @@ class HistoryGuard:
         )
         self._set(need, "complete")
         log.warning(
-            "history of %s rebuilt in %.1f s: the windows of %s are complete",
+            "history of %s rebuilt in %.1f s: the features of %s are complete",
             need.table,
             time.monotonic() - started,
             ", ".join(need.entities),
@@ -360,6 +401,11 @@ def source_rows(database: Any, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
 
     schema, table = need.table.split(".", 1)
     with _connect(database) as conn:
+        if need.time_column is None:
+            counted = conn.execute(
+                sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table))
+            ).fetchone()
+            return SourceRows(0 if counted is None else int(str(counted[0])), None)
         found = conn.execute(
             "SELECT data_type FROM information_schema.columns "
             "WHERE table_schema = %s AND table_name = %s AND column_name = %s",
@@ -396,22 +442,28 @@ async def read_records(
     return records
 
 
-async def stream_start_ms(
+async def stream_start(
     bootstrap: Sequence[str], topic: str, options: Mapping[str, Any], idle_s: float = 0.5
-) -> int | None:
-    """The earliest source commit time (``source.ts_ms``) among the first record of
-    each partition of a Debezium topic; None when it holds no change."""
+) -> StreamStart | None:
+    """Where a Debezium topic begins: the earliest source commit time (``source.ts_ms``)
+    among the first record of each partition, and whether each of those is a read of
+    the connector's initial snapshot; None when it holds no change."""
     from pipeline.envelope import decode_change
 
-    firsts: dict[int, int] = {}
+    firsts: dict[int, tuple[int, bool]] = {}
     async for partition, message in _read(bootstrap, topic, options, idle_s, first_only=True):
         if partition in firsts:
             continue
         with contextlib.suppress(Exception):
             change = decode_change(message.value or b"", offset=message.offset)
             if change is not None:
-                firsts[partition] = change.commit_ms
-    return min(firsts.values()) if firsts else None
+                initial = change.op == "r" and change.snapshot not in (None, "incremental")
+                firsts[partition] = (change.commit_ms, initial)
+    if not firsts:
+        return None
+    return StreamStart(
+        min(ms for ms, _ in firsts.values()), all(initial for _, initial in firsts.values())
+    )
 
 
 async def topic_ends(

@@ -130,7 +130,7 @@ def _history_source(settings: EdgefeedSettings) -> HistorySource:
     def rows(need: HistoryNeed, cutoff_ms: int) -> SourceRows:
         return source_rows(settings.database, need, cutoff_ms)
 
-    def snapshot(table: str, filter_sql: str) -> str:
+    def snapshot(table: str, filter_sql: str | None) -> str:
         with ConnectClient(
             settings.connect.url,
             timeout_s=settings.connect.timeout_s,

@@ -17,6 +17,7 @@ from pipeline.history import (
     HistoryGuard,
     HistoryNeed,
     SourceRows,
+    StreamStart,
     check_time_column,
     history_marker,
     history_needs,
@@ -38,8 +39,10 @@ class Ports:
         start_ms: int | None,
         records: dict[str, dict[str, Any]] | None = None,
         snapshots: list[str] | None = None,
+        *,
+        snapshotted: bool = False,
     ) -> None:
-        self.rows, self.start_ms = rows, start_ms
+        self.rows, self.start_ms, self.snapshotted = rows, start_ms, snapshotted
         self.records = dict(records or {})
         self.outcomes = list(snapshots or ["COMPLETED"])
         self.log: list[tuple[str, Any]] = []
@@ -57,15 +60,15 @@ class Ports:
             raise self.rows
         return self.rows
 
-    async def stream_start_ms(self, table: str) -> int | None:
-        return self.start_ms
+    async def stream_start(self, table: str) -> StreamStart | None:
+        return None if self.start_ms is None else StreamStart(self.start_ms, self.snapshotted)
 
     async def send_markers(self, body: bytes) -> None:
         (entry,), _ = decode_pack(body)
         change = RegionalChange.from_wire(entry)
         self.log.append(("marker", (change.row or {})["state"]))
 
-    async def snapshot(self, table: str, filter_sql: str) -> str:
+    async def snapshot(self, table: str, filter_sql: str | None) -> str:
         outcome = self.outcomes.pop(0)
         self.log.append(("snapshot", filter_sql))
         if outcome == "raise":
@@ -80,15 +83,38 @@ async def no_sleep(_seconds: float) -> None:
     return None
 
 
-def guard(ports: Ports, rebuild: str = "auto") -> HistoryGuard:
-    return HistoryGuard([EVENTS], ports, rebuild, wall=lambda: NOW_MS / 1000, sleep=no_sleep)
+def guard(ports: Ports, rebuild: str = "auto", need: HistoryNeed = EVENTS) -> HistoryGuard:
+    return HistoryGuard([need], ports, rebuild, wall=lambda: NOW_MS / 1000, sleep=no_sleep)
 
 
-def test_the_needs_are_the_windowed_tables_with_their_longest_window() -> None:
-    (need,) = history_needs(SETTINGS.entities)
-    assert (need.table, need.time_column) == ("public.events", "occurred_at")
-    assert need.window_ms == 24 * HOUR  # the user's 1d windows (UTC), over the item's 1h
-    assert need.entities == ("item", "user")
+USERS = HistoryNeed("public.users", None, None, ("user",))
+
+
+def test_the_needs_are_the_windowed_tables_and_the_tables_read_whole() -> None:
+    events, items, users = history_needs(SETTINGS.entities)
+    assert (events.table, events.time_column) == ("public.events", "occurred_at")
+    assert events.window_ms == 24 * HOUR  # the user's 1d windows (UTC), over the item's 1h
+    assert events.entities == ("item", "user")
+    assert (items.table, items.time_column, items.window_ms) == ("public.items", None, None)
+    assert users == USERS and users.key == "public.users"
+
+
+@pytest.mark.parametrize(
+    ("start_ms", "snapshotted", "rebuilt"),
+    [
+        (NOW_MS - HOUR, True, False),  # the topic begins with the connector's snapshot
+        (NOW_MS - HOUR, False, True),  # streamed changes only (snapshot_mode no_data)
+        (None, False, True),  # nothing in the stream
+    ],
+)
+async def test_a_table_without_windows_is_rebuilt_whole_unless_the_stream_read_it_whole(
+    start_ms: int | None, snapshotted: bool, rebuilt: bool
+) -> None:
+    ports = Ports(SourceRows(300, None), start_ms, snapshotted=snapshotted)
+    await guard(ports, need=USERS).run()
+    snapshots = [v for kind, v in ports.log if kind == "snapshot"]
+    assert snapshots == ([None] if rebuilt else [])  # every row: no filter
+    assert ports.records[USERS.key]["state"] == "complete"
 
 
 def test_the_filter_selects_the_rows_inside_the_window() -> None:
@@ -170,9 +196,9 @@ async def test_with_rebuild_off_a_gap_is_an_error_naming_the_command(
     assert checker.states == {EVENTS.key: "gap"}
     assert ports.records[EVENTS.key]["state"] == "gap"  # never recorded complete
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert any("edgefeed connectors snapshot --table public.events --filter" in e for e in errors)
+    assert any('edgefeed connectors snapshot --table public.events --filter "' in e for e in errors)
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "5 rows of public.events" in warned
+    assert "5 rows of public.events that the features of item, user still need" in warned
 
 
 async def test_a_missing_time_column_is_a_gap_with_a_clear_reason(
