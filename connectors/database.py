@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from connectors.settings import DatabaseSettings, SourceSettings, TableSettings
 
 __all__ = [
     "check_sources",
+    "drop_slot",
     "prepare_database",
     "prepare_replication_role",
     "read_rows",
@@ -274,3 +276,18 @@ def read_rows(
                 dict(zip(columns, row, strict=True)) for row in conn.execute(query).fetchall()
             ]
     return result
+
+
+def drop_slot(conn: psycopg.Connection[Any], slot: str, publication: str) -> None:
+    """Drop a replication slot (waiting up to 30 s for its connector to let go) and its
+    publication; either may be gone already."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            break
+        except psycopg.errors.ObjectInUse:
+            time.sleep(0.2)
+        except psycopg.errors.UndefinedObject:
+            break
+    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))

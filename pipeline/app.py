@@ -220,7 +220,13 @@ class _RouterHistory:
     async def routed_to_end(self, table: str) -> None:
         topic = self.config.source_topics[table]
         ends = await topic_ends(self.bootstrap, topic, self.options)
+        log.info("history rebuild of %s: routing %s up to %s", table, topic, ends)
+        said = time.monotonic()
         while any(self.routed.get((topic, p), -1) < last for p, last in ends.items()):
+            if time.monotonic() - said > 10:
+                said = time.monotonic()
+                routed = {p: self.routed.get((topic, p), -1) for p in ends}
+                log.info("history rebuild of %s: routed %s of %s", table, routed, ends)
             self.progress.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.progress.wait(), 1.0)

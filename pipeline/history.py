@@ -129,10 +129,12 @@ class StreamStart:
 @dataclass(frozen=True, slots=True)
 class SourceRows:
     """What the source holds of the rows a window needs: how many, and the event time
-    of the oldest (ms since the epoch; None when there are none)."""
+    of the oldest (ms since the epoch; None when there are none); and the event time
+    of the table's oldest row of all (None: empty, or a table without windows)."""
 
     count: int
     oldest_ms: int | None
+    table_oldest_ms: int | None = None
 
 
 def history_needs(entities: Iterable[EntitySettings]) -> list[HistoryNeed]:
@@ -272,6 +274,19 @@ class HistoryGuard:
             log.error("history of %s cannot be checked: %s", need.table, exc)
             self._set(need, "gap")
             return
+        first = rows.table_oldest_ms
+        if need.time_column is not None and first is not None and first > cutoff_ms:
+            log.warning(
+                "the source's own history of %s begins at %s, after the start of the "
+                "longest window of %s (%s): windows reaching before it hold what the "
+                "source holds; if older rows were purged from the source, those windows "
+                "stay short until %s",
+                need.table,
+                _iso(first),
+                ", ".join(need.entities),
+                _iso(cutoff_ms),
+                _iso(first + (need.window_ms or 0)),
+            )
         if rows.count == 0:
             await self._complete(need, now_ms, "no row the features need")
             return
@@ -354,6 +369,7 @@ class HistoryGuard:
                 await self.sleep(delay)
                 delay = min(RETRY_MAX_S, delay * 2)
                 continue
+            log.info("history rebuild of %s: snapshot %s", need.table, state)
             if state == "COMPLETED":
                 break
             log.warning("history rebuild of %s ended %s; starting it again", need.table, state)
@@ -413,14 +429,19 @@ def source_rows(database: Any, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
         ).fetchone()
         check_time_column(need.table, need.time_column, None if found is None else str(found[0]))
         query = sql.SQL(
-            "SELECT count(*), (extract(epoch FROM min({col})) * 1000)::bigint "
-            "FROM {tab} WHERE {col} > to_timestamp(%s)"
+            "SELECT count(*) FILTER (WHERE {col} > to_timestamp(%s)), "
+            "(extract(epoch FROM min({col}) FILTER (WHERE {col} > to_timestamp(%s))) "
+            "* 1000)::bigint, (extract(epoch FROM min({col})) * 1000)::bigint FROM {tab}"
         ).format(col=sql.Identifier(need.time_column), tab=sql.Identifier(schema, table))
-        row = conn.execute(query, (cutoff_ms / 1000,)).fetchone()
+        row = conn.execute(query, (cutoff_ms / 1000, cutoff_ms / 1000)).fetchone()
     if row is None:
         return SourceRows(0, None)
-    count, oldest = row[0], row[1]
-    return SourceRows(int(str(count)), None if oldest is None else int(str(oldest)))
+    count, oldest, first = row
+    return SourceRows(
+        int(str(count)),
+        None if oldest is None else int(str(oldest)),
+        None if first is None else int(str(first)),
+    )
 
 
 async def read_records(
@@ -469,10 +490,14 @@ async def stream_start(
 async def topic_ends(
     bootstrap: Sequence[str], topic: str, options: Mapping[str, Any], idle_s: float = 0.5
 ) -> dict[int, int]:
-    """Partition -> the offset of its last record (partitions with none are left out),
-    read, not asked (Tansu's reported end is the start of the last batch)."""
+    """Partition -> the offset of its last record as of now, at least (partitions with
+    none are left out), read, not asked: Tansu's reported end is the start of the last
+    batch. One fetch per partition from the record before the reported end, so that a
+    topic still being written does not keep the read going."""
     last: dict[int, int] = {}
-    async for partition, message in _read(bootstrap, topic, options, idle_s, from_end=True):
+    async for partition, message in _read(
+        bootstrap, topic, options, idle_s, from_end=True, first_only=True
+    ):
         last[partition] = max(last.get(partition, -1), message.offset)
     return last
 
@@ -519,7 +544,7 @@ async def _read(
             for tp, messages in batch.items():
                 for message in messages:
                     yield tp.partition, message
-                if first_only and messages:
+                if first_only and messages:  # one fetch of the partition is enough
                     consumer.pause(tp)
                     todo.discard(tp)
             if first_only and not todo:

@@ -45,6 +45,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa:
 
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
+from connectors.database import drop_slot  # noqa: E402
+from edge_cache import KeyLayout  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
 from edgefeed.devstack.process import (  # noqa: E402
     port_in_use,
@@ -158,6 +160,7 @@ class Outcome:
     leaked: int
     wrong: int
     dead_lettered: int
+    rebuild_shown: bool  # a region's cache listed a history rebuild while it settled
     examples: list[str]
 
 
@@ -171,6 +174,8 @@ class Suite:
         self.load = Load(self.settings, rate)
         self.load_s = load_s
         self.probe = 0
+        self.lineage = 0  # new deployments made by the "retention passed" fault
+        self.rebuild_shown = False
 
     # -- set-up
 
@@ -245,15 +250,19 @@ class Suite:
         return base
 
     def probe_visible(self, base: int) -> bool:
+        visible = True
         for i, region in enumerate(self.regions):
             url = self.settings.region(region).redis_url
             try:
                 with redis.Redis.from_url(url, socket_timeout=1) as client:
+                    # What `edgefeed lag` shows as REBUILDING (pipeline.history).
+                    if client.hlen(KeyLayout().rebuild_key()):
+                        self.rebuild_shown = True
                     if not client.exists(f"ef:{{user:{base + i}}}"):
-                        return False
+                        visible = False
             except redis.RedisError:
                 return False
-        return True
+        return visible
 
     def settle(self, deadline_s: float) -> tuple[float | None, list[Mismatch]]:
         """Wait for a probe written after the fault in every region, then for the caches
@@ -274,11 +283,13 @@ class Suite:
                 mismatches = [Mismatch("?", "?", "?", f"verify failed: {exc}")]
             if not mismatches:
                 break
+            self.probe_visible(base)  # notes a rebuild still listed
             time.sleep(1.0)
         return recovered, mismatches
 
     def run_fault(self, name: str, inject: Callable[[], None], deadline_s: float) -> Outcome:
         dead_before = self.dead_letters()
+        self.rebuild_shown = False
         self.load.start()
         time.sleep(self.load_s / 2)
         fault_at = time.monotonic()
@@ -308,7 +319,7 @@ class Suite:
         return Outcome(
             name, recovered, lost, double, leaked, wrong,
             max(0, self.dead_letters() - dead_before),  # a lost broker starts from 0
-            examples,
+            self.rebuild_shown, examples,
         )  # fmt: skip
 
     # -- the faults
@@ -375,6 +386,37 @@ class Suite:
         def poison() -> None:
             asyncio.run(self.send_poison())
 
+        def retention_passed() -> None:
+            # The stream's history begins after rows the windows need, as when a topic's
+            # retention is shorter than the longest window: a new deployment (a new
+            # connector, whose topics begin now; a new pipeline, whose topics,
+            # changelogs and history record are new) over tables that hold the day of
+            # rows the load wrote, while the load goes on (what is committed between
+            # the old connector and the new one is in no stream). The caches keep what
+            # the old pipeline wrote.
+            for app in ("router", *self.regions, "eu-west-2", "eu-west-3"):
+                self.kill9(app, app=True)
+            old = self.settings.sources[0]
+            with ConnectClient(self.settings.connect.url, timeout_s=30) as client:
+                client.delete(old.connector_name)
+            with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
+                drop_slot(conn, old.effective_slot_name, old.effective_publication)
+            self.lineage += 1
+            tag = f"r{self.lineage}"
+            self.mapping["sources"] = [{**self.mapping["sources"][0], "name": f"shop{tag}"}]
+            self.mapping["pipeline"] = {
+                **self.mapping["pipeline"],
+                "app_prefix": f"edgefeed-{tag}",
+                "region_topic_prefix": f"edgefeed.{tag}.region",
+                "dead_letter_topic": f"edgefeed.{tag}.deadletter",
+            }
+            self.settings = settings_from_mapping(self.mapping)
+            self.settings_file.write_text(yaml.safe_dump(self.mapping))
+            with ConnectClient(self.settings.connect.url, timeout_s=30) as client:
+                deploy.apply(client, self.settings.database, self.settings.sources, wait_s=120)
+            for app in ("router", *self.regions):
+                self.start_app(app)
+
         def broker_lost() -> None:
             # The local broker keeps everything in memory: restarted, it has no topics,
             # no Connect offsets or configs, no changelogs, no history records. What a
@@ -416,6 +458,7 @@ class Suite:
                 # other, and it resumes as their stale owner.
                 ("pause worker eu-west 10 s (2 in its group)", pause("eu-west", True, 10)),
                 ("broker lost (restarted empty)", broker_lost),
+                ("retention passed (a new deployment over a day of rows)", retention_passed),
             ]
         return chosen
 
@@ -506,11 +549,11 @@ def main() -> int:
         print(json.dumps([asdict(o) for o in outcomes], indent=2))
     else:
         header = ("fault", "recovered in s", "lost", "double-counted", "leaked", "wrong",
-                  "dead-lettered")  # fmt: skip
+                  "dead-lettered", "rebuilding shown")  # fmt: skip
         rows = [
             (o.fault, "not recovered" if o.recovered_s is None else f"{o.recovered_s:.1f}",
              str(o.lost), str(o.double_counted), str(o.leaked), str(o.wrong),
-             str(o.dead_lettered))
+             str(o.dead_lettered), "yes" if o.rebuild_shown else "no")
             for o in outcomes
         ]  # fmt: skip
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -10,8 +10,7 @@ import os
 import time
 import uuid
 
-import psycopg
-
+from connectors.database import drop_slot
 from edgefeed.devstack.ports import free_ports
 
 __all__ = [
@@ -95,17 +94,3 @@ async def read_topic(
     finally:
         await consumer.stop()
     return records
-
-
-def drop_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str, publication: str) -> None:
-    """Drop a replication slot (waiting for its connector to let go) and its publication."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            break
-        except psycopg.errors.ObjectInUse:
-            time.sleep(0.2)
-        except psycopg.errors.UndefinedObject:
-            break
-    conn.execute(f'DROP PUBLICATION IF EXISTS "{publication}"')

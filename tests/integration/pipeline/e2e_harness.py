@@ -6,12 +6,14 @@ command operators use), so a test can kill -9 one and start it again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +29,9 @@ from connectors import deploy
 from connectors.client import ConnectClient
 from connectors.config import signal_table
 from edgefeed.devstack import DevStack
+from edgefeed.lookup import feature_client
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
+from monitoring.snapshots import read_notifications
 
 ROOT = Path(__file__).resolve().parents[3]
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
@@ -178,3 +182,121 @@ def pipeline_run(
     folder = tmp_path_factory.mktemp("pipeline")
     with shop_pipeline(mapping, schema, folder, ["router", *regions], wait_s=90) as run:
         yield run
+
+
+SAMPLERS = range(9001, 9021)  # users whose views stream in (the freshness sampler's)
+SAMPLE_EVERY_S = 0.05  # one streamed view per 50 ms, round robin over the samplers
+
+
+class FreshnessSampler(threading.Thread):
+    """Streams one view every ``SAMPLE_EVERY_S`` (round robin over ``SAMPLERS``) and
+    times each from just before its insert to its count in the cache, read every 5 ms
+    (a coarse poll would round the figures up to its period). Samples are
+    ``(sent_wall_s, seconds)``, kept by the wall time of their insert so they can be
+    placed against the snapshot's own notifications afterwards."""
+
+    def __init__(self, settings: EdgefeedSettings, schema: str, region: str = "eu-west") -> None:
+        super().__init__(name="freshness-sampler", daemon=True)
+        self.settings = settings
+        self.schema = schema
+        self.region = region
+        self.samples: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[tuple[int, float, float]]] = {u: [] for u in SAMPLERS}
+        self._sent = dict.fromkeys(SAMPLERS, 0)
+
+    @property
+    def total_sent(self) -> int:
+        with self._lock:
+            return sum(self._sent.values())
+
+    def wait_seen(self, until_wall: float, timeout_s: float) -> None:
+        """Wait until every view inserted before ``until_wall`` was seen in the cache."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                late = [p for queue in self._pending.values() for p in queue if p[2] < until_wall]
+            if not late:
+                return
+            if self.error is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{len(late)} streamed views not in the cache: {self.error}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=60)
+        if self.error is not None:
+            raise self.error
+
+    def run(self) -> None:
+        poller = threading.Thread(target=self._poll, name="freshness-poller", daemon=True)
+        poller.start()
+        try:
+            with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
+                users = list(SAMPLERS)
+                turn = 0
+                while not self._halt.wait(SAMPLE_EVERY_S):
+                    user = users[turn % len(users)]
+                    turn += 1
+                    with self._lock:
+                        self._sent[user] += 1
+                        self._pending[user].append(
+                            (self._sent[user], time.monotonic(), time.time())
+                        )
+                    conn.execute(
+                        f"INSERT INTO {self.schema}.events (user_id, item_id, category_id, "
+                        "price, home_region, kind, occurred_at) "
+                        "VALUES (%s, 100, 1, 2.00, %s, 'view', clock_timestamp())",
+                        (user, self.region),
+                    )
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+            self._halt.set()
+        poller.join(timeout=30)
+
+    def _poll(self) -> None:
+        reader = feature_client(self.settings, self.region, timeout_s=2)
+        try:
+            while not self._halt.is_set():
+                got = reader.get("user", list(SAMPLERS)).to_dicts()
+                seen = time.monotonic()
+                with self._lock:
+                    for user, vector in zip(SAMPLERS, got, strict=True):
+                        count = vector.get("views_30m") or 0
+                        pending = self._pending[user]
+                        while pending and pending[0][0] <= count:
+                            _, sent, wall = pending.pop(0)
+                            self.samples.append((wall, seen - sent))
+                time.sleep(0.005)
+        except BaseException as exc:
+            self.error = exc
+            self._halt.set()
+        finally:
+            reader.close()
+
+
+def freshness_line(name: str, seconds: list[float]) -> str:
+    if not seconds:
+        return f"freshness {name}: no sample"
+    ms = sorted(t * 1000 for t in seconds)
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, int(q * len(ms)))]
+
+    return (
+        f"freshness {name}: {len(ms)} views, p50 {pct(0.5):.0f} ms, p90 {pct(0.9):.0f} ms, "
+        f"p99 {pct(0.99):.0f} ms, max {ms[-1]:.0f} ms"
+    )
+
+
+def snapshot_span_s(bootstrap: Any, topic: str) -> tuple[float, float]:
+    """Wall times (s) of the newest incremental snapshot's STARTED and COMPLETED
+    notifications, as Debezium stamped them."""
+    notes = asyncio.run(read_notifications(bootstrap, [topic], timeout_s=30))[topic]
+    ours = [n for n in notes if n.get("aggregate_type") == "Incremental Snapshot"]
+    started = [n for n in ours if n.get("type") == "STARTED"]
+    completed = [n for n in ours if n.get("type") == "COMPLETED"]
+    assert started and completed, notes
+    return int(started[-1]["timestamp"]) / 1000, int(completed[-1]["timestamp"]) / 1000

@@ -17,7 +17,15 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from e2e_harness import PipelineRun, shop_pipeline, shop_settings
+from e2e_harness import (
+    SAMPLERS,
+    FreshnessSampler,
+    PipelineRun,
+    freshness_line,
+    shop_pipeline,
+    shop_settings,
+    snapshot_span_s,
+)
 from stackhelpers import unique_name
 
 from connectors.client import ConnectClient
@@ -28,7 +36,7 @@ from edgefeed.features import FeaturesApplied, apply_features, plan_features
 from edgefeed.lookup import feature_client, feature_schemas
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 from edgefeed.verify import verify
-from monitoring.snapshots import read_notifications, read_snapshots
+from monitoring.snapshots import read_snapshots
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
@@ -96,123 +104,6 @@ def stream_event(settings: EdgefeedSettings, schema: str, user: int, seconds_aft
         "%s::timestamptz + make_interval(secs => %s))",
         (user, REGION, ANCHOR["at"], seconds_after),
     )
-
-
-SAMPLERS = range(9001, 9021)  # users whose views stream in before and during the backfill
-SAMPLE_EVERY_S = 0.05  # one streamed view per 50 ms, round robin over the samplers
-
-
-class FreshnessSampler(threading.Thread):
-    """Streams one view every ``SAMPLE_EVERY_S`` (round robin over ``SAMPLERS``) and
-    times each from just before its insert to its count in the cache, read every 5 ms
-    (a coarse poll would round the figures up to its period). Samples are
-    ``(sent_wall_s, seconds)``, kept by the wall time of their insert so they can be
-    placed against the snapshot's own notifications afterwards."""
-
-    def __init__(self, settings: EdgefeedSettings, schema: str) -> None:
-        super().__init__(name="freshness-sampler", daemon=True)
-        self.settings = settings
-        self.schema = schema
-        self.samples: list[tuple[float, float]] = []
-        self.error: BaseException | None = None
-        self._halt = threading.Event()
-        self._lock = threading.Lock()
-        self._pending: dict[int, list[tuple[int, float, float]]] = {u: [] for u in SAMPLERS}
-        self._sent = dict.fromkeys(SAMPLERS, 0)
-
-    @property
-    def total_sent(self) -> int:
-        with self._lock:
-            return sum(self._sent.values())
-
-    def wait_seen(self, until_wall: float, timeout_s: float) -> None:
-        """Wait until every view inserted before ``until_wall`` was seen in the cache."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                late = [p for queue in self._pending.values() for p in queue if p[2] < until_wall]
-            if not late:
-                return
-            if self.error is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{len(late)} streamed views not in the cache: {self.error}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=60)
-        if self.error is not None:
-            raise self.error
-
-    def run(self) -> None:
-        poller = threading.Thread(target=self._poll, name="freshness-poller", daemon=True)
-        poller.start()
-        try:
-            with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
-                users = list(SAMPLERS)
-                turn = 0
-                while not self._halt.wait(SAMPLE_EVERY_S):
-                    user = users[turn % len(users)]
-                    turn += 1
-                    with self._lock:
-                        self._sent[user] += 1
-                        self._pending[user].append(
-                            (self._sent[user], time.monotonic(), time.time())
-                        )
-                    conn.execute(
-                        f"INSERT INTO {self.schema}.events (user_id, item_id, category_id, "
-                        "price, home_region, kind, occurred_at) "
-                        "VALUES (%s, 100, 1, 2.00, %s, 'view', clock_timestamp())",
-                        (user, REGION),
-                    )
-        except BaseException as exc:  # reported by stop()
-            self.error = exc
-            self._halt.set()
-        poller.join(timeout=30)
-
-    def _poll(self) -> None:
-        reader = feature_client(self.settings, REGION, timeout_s=2)
-        try:
-            while not self._halt.is_set():
-                got = reader.get("user", list(SAMPLERS)).to_dicts()
-                seen = time.monotonic()
-                with self._lock:
-                    for user, vector in zip(SAMPLERS, got, strict=True):
-                        count = vector.get("views_30m") or 0
-                        pending = self._pending[user]
-                        while pending and pending[0][0] <= count:
-                            _, sent, wall = pending.pop(0)
-                            self.samples.append((wall, seen - sent))
-                time.sleep(0.005)
-        except BaseException as exc:
-            self.error = exc
-            self._halt.set()
-        finally:
-            reader.close()
-
-
-def freshness_line(name: str, seconds: list[float]) -> str:
-    if not seconds:
-        return f"freshness {name}: no sample"
-    ms = sorted(t * 1000 for t in seconds)
-
-    def pct(q: float) -> float:
-        return ms[min(len(ms) - 1, int(q * len(ms)))]
-
-    return (
-        f"freshness {name}: {len(ms)} views, p50 {pct(0.5):.0f} ms, p90 {pct(0.9):.0f} ms, "
-        f"p99 {pct(0.99):.0f} ms, max {ms[-1]:.0f} ms"
-    )
-
-
-def snapshot_span_s(bootstrap: Any, topic: str) -> tuple[float, float]:
-    """Wall times (s) of the newest incremental snapshot's STARTED and COMPLETED
-    notifications, as Debezium stamped them."""
-    notes = asyncio.run(read_notifications(bootstrap, [topic], timeout_s=30))[topic]
-    ours = [n for n in notes if n.get("aggregate_type") == "Incremental Snapshot"]
-    started = [n for n in ours if n.get("type") == "STARTED"]
-    completed = [n for n in ours if n.get("type") == "COMPLETED"]
-    assert started and completed, notes
-    return int(started[-1]["timestamp"]) / 1000, int(completed[-1]["timestamp"]) / 1000
 
 
 def wait_verified(settings: EdgefeedSettings, what: str, timeout_s: float) -> None:

@@ -232,3 +232,16 @@ def test_a_marker_is_one_history_change_for_no_entity() -> None:
     assert is_pack and change.op == "h" and change.key is None
     assert change.row == {"state": "end", "id": "rebuild-1", "entities": ["user"]}
     assert orjson.loads(body)[0]["t"] == "public.events"
+
+
+async def test_a_source_whose_history_is_shorter_than_a_window_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ports = Ports(SourceRows(5, NOW_MS - HOUR, table_oldest_ms=NOW_MS - HOUR), NOW_MS - 2 * HOUR)
+    await guard(ports).run()
+    assert "the source's own history of public.events begins at 2025-11-24T15:00:00" in caplog.text
+    assert "stay short until 2025-11-25T15:00:00" in caplog.text
+    caplog.clear()
+    ports = Ports(SourceRows(5, NOW_MS - HOUR, table_oldest_ms=NOW_MS - 48 * HOUR), NOW_MS)
+    await guard(ports).run()
+    assert "own history" not in caplog.text
