@@ -27,6 +27,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
+from edgefeed_base.tokens import token_problem
 from monitoring.exceptions import MonitoringConfigError
 
 __all__ = ["EndpointSecurity", "is_loopback", "start_endpoint"]
@@ -87,14 +88,11 @@ class EndpointSecurity:
             token = os.environ.get(token_env, "").strip()
             where = f"environment variable {token_env}"
         if token is not None:
-            if not token:
-                raise MonitoringConfigError(f"the {where} holds no token; put the token there")
-            if not all(33 <= ord(c) < 127 for c in token):
-                # The value itself is never shown: it is a secret.
-                raise MonitoringConfigError(
-                    f"the token in the {where} must be one word of printable ASCII "
-                    "(it travels in an HTTP header)"
-                )
+            # One policy for every bearer token (edgefeed_base.tokens); the value itself
+            # is never shown: it is a secret.
+            problem = token_problem(token, f"the {where}")
+            if problem is not None:
+                raise MonitoringConfigError(problem)
         if (certfile is None) != (keyfile is None):
             raise MonitoringConfigError(
                 "TLS needs both --tls-cert and --tls-key (or neither for plain HTTP)"

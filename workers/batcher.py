@@ -40,6 +40,7 @@ from workers.exceptions import (
     ModelExecutionError,
     QueueFullError,
     WorkerConfigError,
+    retry_after_header,
 )
 
 __all__ = ["BatchResult", "BatcherStats", "BatchingConfig", "DynamicBatcher"]
@@ -260,9 +261,11 @@ class DynamicBatcher:
         if len(self._queue) >= self.config.max_queue_size:
             self.stats.rejected_full += 1
             retry = self.retry_after()
+            # One truth for when to retry: HTTP's Retry-After, whole seconds (at least
+            # 1); the estimated drain time is a fact about the queue, said as such.
             raise QueueFullError(
-                f"queue is full ({self.config.max_queue_size} requests waiting); "
-                f"retry in {retry * 1e3:.0f} ms",
+                f"queue is full ({self.config.max_queue_size} requests waiting, about "
+                f"{retry * 1e3:.0f} ms to drain); retry after {retry_after_header(retry)} s",
                 retry_after_s=retry,
             )
         if rows < 1 or rows > self.config.max_batch_size:

@@ -8,6 +8,8 @@ is the status the inference server answers with.
 
 from __future__ import annotations
 
+import math
+
 from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "WorkerConfigError",
     "WorkerResponseError",
     "WorkersError",
+    "retry_after_header",
 ]
 
 
@@ -105,6 +108,12 @@ class FeatureLookupError(WorkersError):
         super().__init__(message)
         self.retryable = retryable
         self.http_status = 503 if retryable else 500
+
+
+def retry_after_header(seconds: float) -> int:
+    """The ``Retry-After`` for a wait of ``seconds``: whole seconds (HTTP's unit), at
+    least 1. Messages that say when to retry say this, so that there is one answer."""
+    return max(1, math.ceil(seconds))
 
 
 class OverloadedError(WorkersError):

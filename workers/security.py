@@ -32,6 +32,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import SecretStr
 
+from edgefeed_base.tokens import token_problem
 from workers.exceptions import UnauthorizedError, WorkerConfigError
 
 __all__ = [
@@ -85,11 +86,9 @@ class TokenAuth:
         on_refused: Callable[[], None] = lambda: None,
     ) -> None:
         secret = token.get_secret_value()
-        if len(secret) < 16:
-            raise WorkerConfigError(
-                f"the auth token has {len(secret)} characters; use at least 16 "
-                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-            )
+        problem = token_problem(secret, "the worker's auth token")
+        if problem is not None:  # one policy for every bearer token (edgefeed_base.tokens)
+            raise WorkerConfigError(problem)
         self._digest = hashlib.sha256(secret.encode()).digest()
         self.protect_probes = protect_probes
         self._on_refused = on_refused

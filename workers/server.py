@@ -62,6 +62,7 @@ from workers.exceptions import (
     UnknownModelError,
     WorkerConfigError,
     WorkersError,
+    retry_after_header,
 )
 from workers.metrics import WorkerMetrics
 from workers.models.base import ServedModel
@@ -459,7 +460,7 @@ class InferenceServer:
             "retryable": exc.retryable,
         }
         if isinstance(exc, OverloadedError):
-            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+            headers["Retry-After"] = str(retry_after_header(exc.retry_after_s))
             body["retry_after_ms"] = round(exc.retry_after_s * 1e3, 3)
         self.metrics.rejected.labels(self.config.region, model, _reason(exc)).inc()
         self.metrics.requests.labels(self.config.region, model, str(exc.http_status)).inc()

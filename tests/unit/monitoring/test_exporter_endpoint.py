@@ -232,6 +232,8 @@ def test_tls_and_token_together(
         (("--token-file", "{empty}"), "holds no token"),
         (("--token-env", "EDGEFEED_TEST_NO_SUCH_VARIABLE"), "holds no token"),
         (("--token-file", "{spaced}"), "one word of printable ASCII"),
+        # One policy for every bearer token: the worker's minimum holds here too.
+        (("--token-file", "{short}"), "has 10 characters; use at least 16"),
         (("--token-file", "{empty}", "--token-env", "X"), "not both"),
     ],
 )
@@ -244,11 +246,13 @@ def test_bad_security_options_are_clear_errors(
 ) -> None:
     (tmp_path / "empty").write_text("\n")
     (tmp_path / "spaced").write_text(f"{TOKEN} {TOKEN}")
+    (tmp_path / "short").write_text("0123456789")
     names = {
         "cert": str(certificate[0]),
         "missing": str(tmp_path / "missing"),
         "empty": str(tmp_path / "empty"),
         "spaced": str(tmp_path / "spaced"),
+        "short": str(tmp_path / "short"),
     }
     result = subprocess.run(
         [

@@ -51,6 +51,8 @@ async def test_full_queue_answers_429_with_retry_after_and_admitted_requests_com
         assert error.error_type == "QueueFullError"
         assert error.retryable
         assert error.retry_after_s is not None and error.retry_after_s >= 1
+        # One truth: the message says to retry when Retry-After says (issue 30).
+        assert f"retry after {error.retry_after_s:.0f} s" in str(error), str(error)
     assert [answer.body["outputs"][0][0] for answer in answers] == [0, 2, 4, 6, 8]
     assert 99.0 not in gated.values_run
     assert metric_value(metrics, "edgefeed_worker_rejected_total", reason="queue_full") == 6
