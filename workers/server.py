@@ -90,6 +90,9 @@ log = logging.getLogger(__name__)
 _MAX_MESSAGE = 1024
 
 
+LINGER_S = 1.0  # most time spent reading a refused request's body before closing
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Where and how the server listens.
@@ -323,6 +326,10 @@ class InferenceServer:
             access_log=None,
             shutdown_timeout=self.config.drain_timeout_s,
             keepalive_timeout=self.config.keepalive_timeout_s,
+            # A body the worker refused unread (401, 413) is drained at most this long
+            # before the connection closes: long enough for the answer to arrive
+            # before the close, not aiohttp's 10 s of reading what nobody wants.
+            lingering_time=LINGER_S,
         )
         await self._runner.setup()
         self._site = GuardedTCPSite(

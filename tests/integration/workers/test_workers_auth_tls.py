@@ -96,6 +96,45 @@ def test_token_is_required_on_every_endpoint_but_the_probes() -> None:
     _assert_token_nowhere(worker, *(a for _, a, _ in (missing, wrong, basic, right, metrics)))
 
 
+def test_a_refused_request_does_not_hold_its_connection_open_for_its_body() -> None:
+    """A client that sends a request without the token, announcing a body it keeps
+    sending slowly, gets its 401 and the connection closed, instead of the worker
+    reading the body it refused for 10 s (aiohttp's lingering close; issue 30)."""
+    import socket
+    import time
+
+    with worker_process(
+        "--model", "image-classifier", env={"EDGEFEED_WORKERS_AUTH_TOKEN": TOKEN}
+    ) as worker:
+        host, port = worker.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(
+                f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: {NPY_TYPE}\r\n"
+                "Content-Length: 100000000\r\n\r\n".encode()
+            )
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += conn.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 401")
+            started = time.monotonic()
+            closed = False
+            while time.monotonic() - started < 8:  # the body trickles in, 1 KB per 50 ms
+                try:
+                    conn.sendall(b"x" * 1024)
+                    conn.settimeout(0.05)
+                    if conn.recv(65536) == b"":
+                        closed = True
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:  # reset: closed while the client still sent
+                    closed = True
+                    break
+        took = time.monotonic() - started
+    assert closed, "the worker still read the refused body after 8 s"
+    assert took < 8  # aiohttp's default read it for 10 s
+
+
 def test_token_from_a_file_and_probes_protected_on_request(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")  # a trailing newline, as editors write it
