@@ -29,7 +29,7 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-__all__ = ["ConnectionGuard", "GuardedTCPSite"]
+__all__ = ["ConnectionGuard", "GuardedTCPSite", "OneLineBadRequests", "quiet_bad_requests"]
 
 log = logging.getLogger(__name__)
 
@@ -251,3 +251,30 @@ class GuardedTCPSite(web.BaseSite):
         )
         sockets = self._server.sockets
         self._bound_port = int(sockets[0].getsockname()[1]) if sockets else self._port
+
+
+class OneLineBadRequests(logging.Filter):
+    """On aiohttp's ``aiohttp.server`` logger: a request aiohttp's parser refused (a
+    64 KB header line, thousands of headers, a malformed request line) is bad input,
+    answered 400; it is logged as one line with the reason, not a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            reason = (exc.message or type(exc).__name__).strip().splitlines()[0][:200]
+            record.msg = "refused a bad request from %s (400): %s: %s"
+            record.args = (peer, type(exc).__name__, reason)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_bad_requests() -> None:
+    """Install :class:`OneLineBadRequests` on ``aiohttp.server`` (once per process)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineBadRequests) for f in logger.filters):
+        logger.addFilter(OneLineBadRequests())

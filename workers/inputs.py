@@ -219,6 +219,9 @@ def _decode_npy(body: bytes, spec: InputSpec | None = None) -> np.ndarray:
     return array
 
 
+MAX_TENSOR_DIMS = 16  # a raw body's X-Tensor-Shape (numpy's own limit is 64)
+
+
 def _decode_raw(body: bytes, headers: Mapping[str, str]) -> np.ndarray:
     lowered = {key.lower(): value for key, value in headers.items()}
     shape_text = lowered.get(SHAPE_HEADER.lower())
@@ -236,6 +239,11 @@ def _decode_raw(body: bytes, headers: Mapping[str, str]) -> np.ndarray:
         ) from None
     if not shape or any(dim < 0 for dim in shape):
         raise InvalidTensorError(f"{SHAPE_HEADER} {shape_text!r} must list non-negative sizes")
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise InvalidTensorError(
+            f"{SHAPE_HEADER} has {len(shape)} dimensions; a tensor may have at most "
+            f"{MAX_TENSOR_DIMS} (e.g. 1,64,64,3)"
+        )
     if dtype_text not in _ALLOWED_DTYPES:
         raise InvalidTensorError(
             f"{DTYPE_HEADER} {dtype_text!r} is not one of: {', '.join(sorted(_ALLOWED_DTYPES))}"

@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import SecretStr
 
 from workers.batcher import BatchingConfig, DynamicBatcher
-from workers.connections import ConnectionGuard, GuardedTCPSite
+from workers.connections import ConnectionGuard, GuardedTCPSite, quiet_bad_requests
 from workers.exceptions import (
     BadRequestError,
     ClientDisconnectedError,
@@ -321,6 +321,7 @@ class InferenceServer:
 
     async def start(self, wait_ready: bool = True) -> None:
         """Listen, then load and warm up the models (readiness turns 200 after)."""
+        quiet_bad_requests()  # a refused header is one log line, not a traceback
         self._runner = web.AppRunner(
             self.make_app(),
             access_log=None,

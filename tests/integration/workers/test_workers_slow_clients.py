@@ -160,3 +160,47 @@ def test_clients_vanishing_mid_body_are_counted_as_aborts_without_a_traceback() 
             == 0
         )
         assert not any("Traceback" in line for line in worker.lines), "".join(worker.lines)
+
+
+@pytest.mark.parametrize(
+    ("what", "request_bytes", "logged"),
+    [
+        (
+            "a 64 KB header line",
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 65536 + b"\r\n\r\n",
+            "LineTooLong",
+        ),
+        (
+            "5,000 headers",
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-H%d: 1\r\n" % i for i in range(5000))
+            + b"\r\n",
+            "BadHttpMessage",
+        ),
+        (
+            "a 1,000-dimension X-Tensor-Shape",
+            f"POST {INFER} HTTP/1.1\r\nHost: x\r\n".encode()
+            + b"Content-Type: application/octet-stream\r\nX-Tensor-Shape: "
+            + ",".join(["1"] * 1000).encode()
+            + b"\r\nX-Tensor-Dtype: uint8\r\nContent-Length: 1\r\n\r\n\x00",
+            None,  # refused by the worker itself: a 400 with the reason, nothing logged
+        ),
+    ],
+)
+def test_bad_requests_get_400_and_at_most_one_log_line_without_a_traceback(
+    what: str, request_bytes: bytes, logged: str | None
+) -> None:
+    """Issue 30: each of these logged a full traceback; bad input logs one line."""
+    with worker_process("--model", "image-classifier") as worker:
+        with _connect(worker) as sock:
+            sock.settimeout(30)
+            sock.sendall(request_bytes)
+            answer = sock.recv(4096)
+        assert answer.split(b"\r\n", 1)[0].endswith(b"400 Bad Request"), (what, answer[:200])
+        if logged is not None:
+            poll(lambda: any(logged in line for line in worker.lines), f"the line on {what}")
+            lines = [line for line in worker.lines if logged in line]
+            assert len(lines) == 1 and "refused a bad request from" in lines[0], lines
+        with urllib.request.urlopen(f"{worker.url}/healthz", timeout=30) as health:
+            assert health.status == 200  # and it keeps serving
+    assert not any("Traceback" in line for line in worker.lines), "".join(worker.lines)
