@@ -14,6 +14,7 @@ from edgefeed_base.errors import EdgefeedError
 
 __all__ = [
     "BadRequestError",
+    "BodyDeadlineError",
     "ClientDisconnectedError",
     "DeadlineExceededError",
     "DrainingError",
@@ -151,6 +152,11 @@ class DeadlineExceededError(WorkersError):
 
     retryable = True
     http_status = 504
+
+
+class BodyDeadlineError(DeadlineExceededError):
+    """The request's body did not arrive within its latency budget (the connection is
+    closed: the rest of the body is never read as a request)."""
 
 
 class ModelExecutionError(WorkersError):

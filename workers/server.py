@@ -49,6 +49,7 @@ from workers.batcher import BatchingConfig, DynamicBatcher
 from workers.connections import ConnectionGuard, GuardedTCPSite, quiet_bad_requests
 from workers.exceptions import (
     BadRequestError,
+    BodyDeadlineError,
     ClientDisconnectedError,
     DeadlineExceededError,
     DrainingError,
@@ -473,7 +474,7 @@ class InferenceServer:
         self.metrics.rejected.labels(self.config.region, model, _reason(exc)).inc()
         self.metrics.requests.labels(self.config.region, model, str(exc.http_status)).inc()
         response = web.json_response({"error": body}, status=exc.http_status, headers=headers)
-        if isinstance(exc, RequestTimeoutError):
+        if isinstance(exc, RequestTimeoutError | BodyDeadlineError):
             response.force_close()  # the rest of a late body must not be read as a request
         return response
 
@@ -532,7 +533,10 @@ class InferenceServer:
             )
         budget = self._budget(request)
         handler_start = time.perf_counter()
-        body = await self._read_body(request)
+        # The budget counts from the request's arrival and covers reading its body: a
+        # body that trickles in past it is refused (504), not read then refused late.
+        body_budget = None if budget is None else budget - (handler_start - start)
+        body = await self._read_body(request, body_budget)
         data_start = time.perf_counter()
         try:
             prepared = await slot.model.parse(
@@ -599,14 +603,19 @@ class InferenceServer:
             headers=timing.headers(detail),
         )
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body, within ``body_timeout_s``; a vanished client is told apart."""
+    async def _read_body(self, request: web.Request, budget_s: float | None = None) -> bytes:
+        """The request body, within ``body_timeout_s`` and the request's remaining
+        latency budget (``budget_s``); a vanished client is told apart."""
         limit = self.config.max_payload_bytes
         timeout = self.config.body_timeout_s
+        limit_s = timeout
+        if budget_s is not None and budget_s < timeout:
+            limit_s = max(0.0, budget_s)
+        by_budget = limit_s != timeout
         try:
             if request.content.is_eof():  # all of it came with the headers: no wait to bound
                 return await request.read()
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(limit_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLargeError(
@@ -615,6 +624,12 @@ class InferenceServer:
             ) from None
         except TimeoutError:
             self.metrics.slow_clients.labels(self.config.region, "body").inc()
+            if by_budget:
+                raise BodyDeadlineError(
+                    f"request body did not arrive within the request's budget "
+                    f"({request.headers.get(HEADER_DEADLINE_MS)} ms of "
+                    f"{HEADER_DEADLINE_MS}); send the body at once or give a larger budget"
+                ) from None
             raise RequestTimeoutError(
                 f"request body did not arrive within {timeout:g} s "
                 "(ServerConfig.body_timeout_s); send it at once or raise the timeout"

@@ -204,3 +204,28 @@ def test_bad_requests_get_400_and_at_most_one_log_line_without_a_traceback(
         with urllib.request.urlopen(f"{worker.url}/healthz", timeout=30) as health:
             assert health.status == 200  # and it keeps serving
     assert not any("Traceback" in line for line in worker.lines), "".join(worker.lines)
+
+
+def test_the_latency_budget_covers_reading_the_body() -> None:
+    """Issue 30: a 50 ms X-Edgefeed-Deadline-Ms did not bound a slow body (504 after
+    2.46 s). The budget counts from the request's arrival, body included."""
+    with worker_process("--model", "image-classifier") as worker:
+        with _connect(worker) as sock:
+            sock.sendall(
+                f"POST {INFER} HTTP/1.1\r\nHost: worker\r\nX-Edgefeed-Deadline-Ms: 50\r\n"
+                "Content-Type: application/x-npy\r\nContent-Length: 100000\r\n\r\n".encode()
+                + b"\x93NUMPY"
+            )
+            sent_at = time.monotonic()
+            answer = b""
+            while b"\r\n\r\n" not in answer and time.monotonic() - sent_at < 30:
+                with contextlib.suppress(TimeoutError):
+                    sock.sendall(b"\x00" * 100)  # the body trickles: 100 bytes per 0.5 s
+                    answer += sock.recv(4096)
+            took = time.monotonic() - sent_at
+        assert answer.startswith(b"HTTP/1.1 504"), answer[:300]
+        assert b"BodyDeadlineError" in answer and b"budget" in answer
+        # Answered at the budget, give or take the 0.5 s poll above, not at the 10 s
+        # body timeout.
+        assert took < 5, took
+        assert worker.metric("edgefeed_worker_slow_clients_total", phase="body") == 1
