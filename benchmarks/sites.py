@@ -59,6 +59,7 @@ import yaml  # noqa: E402
 
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
+from connectors.database import drop_slot  # noqa: E402
 from edgefeed.cli.demo_sites import caught_up  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
 from edgefeed.lookup import feature_client  # noqa: E402
@@ -683,18 +684,6 @@ def link_quiet(wan: WanControl, quiet_s: float = 3.0, limit_s: float = 180.0) ->
         elif time.monotonic() - since >= quiet_s:
             return
         time.sleep(0.5)
-
-
-def drop_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            return
-        except psycopg.errors.ObjectInUse:
-            time.sleep(0.2)
-        except psycopg.errors.UndefinedObject:
-            return
 
 
 def main() -> None:

@@ -278,9 +278,9 @@ def read_rows(
     return result
 
 
-def drop_slot(conn: psycopg.Connection[Any], slot: str, publication: str) -> None:
-    """Drop a replication slot (waiting up to 30 s for its connector to let go) and its
-    publication; either may be gone already."""
+def drop_slot(conn: psycopg.Connection[Any], slot: str, publication: str | None = None) -> None:
+    """Drop a replication slot (waiting up to 30 s for its connector to let go) and, when
+    named, its publication; either may be gone already."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -290,4 +290,5 @@ def drop_slot(conn: psycopg.Connection[Any], slot: str, publication: str) -> Non
             time.sleep(0.2)
         except psycopg.errors.UndefinedObject:
             break
-    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
+    if publication is not None:
+        conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -144,6 +145,24 @@ def _dead_letter_headers(
     }
 
 
+DEAD_LETTER_MAX_BYTES = 512 * 1024  # a dead letter's value; brokers refuse ~1 MB
+
+
+def _pointer(headers: Mapping[str, bytes], value: bytes, why: str) -> bytes:
+    """A dead letter that points at its source record instead of holding it."""
+    return orjson.dumps(
+        {
+            "withheld": why,
+            "reason": headers.get("edgefeed-reason", b"").decode(errors="replace"),
+            "topic": headers.get("edgefeed-topic", b"").decode(errors="replace"),
+            "partition": int(headers.get("edgefeed-partition", b"-1") or -1),
+            "offset": int(headers.get("edgefeed-offset", b"-1") or -1),
+            "size": len(value),
+            "sha256": hashlib.sha256(value).hexdigest(),
+        }
+    )
+
+
 def _home_of(change: Change | None, column: str) -> str | None:
     """The home region a decoded change's row names, if any (for its dead letter)."""
     if change is None:
@@ -164,11 +183,12 @@ class HistorySource:
     CLI from the settings: both calls block (they run in a thread).
 
     Attributes:
-        rows: (need, cutoff ms) -> what the source holds of the rows the windows need.
+        rows: (need, cutoff ms, homes) -> what the source holds of the rows the
+            features need (of the regions ``homes`` only, for a personal table).
         snapshot: (table, filter) -> the final state of a paced incremental snapshot.
     """
 
-    rows: Callable[[HistoryNeed, int], SourceRows]
+    rows: Callable[[HistoryNeed, int, Sequence[str] | None], SourceRows]
     snapshot: Callable[[str, str | None], str]
 
 
@@ -199,17 +219,19 @@ class _RouterHistory:
         sent = await self.records.send(key=key.encode(), value=orjson.dumps(record), partition=0)
         await wait_delivered(self.app, [sent])
 
-    async def source_rows(self, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
-        return await asyncio.to_thread(self.source.rows, need, cutoff_ms)
+    async def source_rows(
+        self, need: HistoryNeed, cutoff_ms: int, homes: Sequence[str] | None = None
+    ) -> SourceRows:
+        return await asyncio.to_thread(self.source.rows, need, cutoff_ms, homes)
 
     async def stream_start(self, table: str) -> StreamStart | None:
         topic = self.config.source_topics[table]
         return await stream_start(self.bootstrap, topic, self.options)
 
-    async def send_markers(self, body: bytes) -> None:
+    async def send_markers(self, body: bytes, regions: Sequence[str]) -> None:
         sent = [
-            await output.send(value=body, partition=partition)
-            for output in self.outputs.values()
+            await self.outputs[region].send(value=body, partition=partition)
+            for region in regions
             for partition in range(self.config.pipeline.partitions)
         ]
         await wait_delivered(self.app, sent)
@@ -282,6 +304,35 @@ def build_router_app(
         # owns whole entities.
         return int(partitioner(key.encode(), all_partitions, all_partitions))
 
+    async def send_dead(topic: Any, key: Any, value: bytes, headers: dict[str, bytes]) -> None:
+        """Send a dead letter; the dead-letter path never stops the router. A value
+        over :data:`DEAD_LETTER_MAX_BYTES` (the broker's limit is ~1 MB) goes as a
+        pointer to its source record (topic, partition, offset, size, SHA-256); a
+        send the broker refuses is tried again with backoff, as a pointer after the
+        first refusal (a lost broker or a missing topic is waited for, never a crash
+        loop that meets the same record after every restart)."""
+        if len(value) > DEAD_LETTER_MAX_BYTES:
+            key, value = None, _pointer(headers, value, "over the dead-letter size limit")
+            headers["edgefeed-withheld"] = b"value over the dead-letter size limit"
+        delay = 0.5
+        while True:
+            try:
+                await topic.send(key=key, value=value, headers=headers)
+                return
+            except Exception as exc:  # MessageSizeTooLarge, an unknown topic, a lost broker
+                log.error(
+                    "dead letter to %s refused (%s: %s); sending a pointer in %.1f s",
+                    topic.get_topic_name(),
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+                if "edgefeed-withheld" not in headers:
+                    key, value = None, _pointer(headers, value, f"refused: {type(exc).__name__}")
+                    headers["edgefeed-withheld"] = b"dead letter refused by the broker"
+                await asyncio.sleep(delay)
+                delay = min(30.0, delay * 2)
+
     async def dead_letter(event: Any, change: Change | None, exc: Exception) -> None:
         """One source event to the dead letters, keeping residency."""
         msg = event.message
@@ -298,11 +349,11 @@ def build_router_app(
         )
         column = home_columns.get(str(msg.topic))
         if column is None:  # shared data: the central dead letters
-            await dead.send(key=event.key, value=event.value, headers=headers)
+            await send_dead(dead, event.key, event.value or b"", headers)
             return
         home = _home_of(change, column)
         if home in regional_dead:  # personal data stays in its region
-            await regional_dead[home].send(key=event.key, value=event.value, headers=headers)
+            await send_dead(regional_dead[home], event.key, event.value or b"", headers)
             return
         # Personal data of no known region: a pointer to the source record, never
         # the row itself (nor an error text quoting it).
@@ -317,7 +368,7 @@ def build_router_app(
                 "offset": msg.offset,
             }
         )
-        await dead.send(key=None, value=pointer, headers=headers)
+        await send_dead(dead, None, pointer, headers)
 
     async def route_batch(events: list[Any]) -> None:
         """Route one batch of source events, then ack them (after their sends)."""
@@ -414,7 +465,12 @@ def build_router_app(
             raise
 
     if history is not None:
-        needs = [n for n in history_needs(config.entities) if n.table in config.source_topics]
+        home_columns = {name: table.home_region_column for name, table in config.tables.items()}
+        needs = [
+            n
+            for n in history_needs(config.entities, home_columns)
+            if n.table in config.source_topics
+        ]
         states = ("checking", "complete", "rebuilding", "gap")
 
         def on_state(need: HistoryNeed, state: str) -> None:
@@ -424,6 +480,7 @@ def build_router_app(
         guard = HistoryGuard(
             needs,
             _RouterHistory(app, config, history, outputs, routed, progress),
+            regions=config.region_names,
             rebuild=config.pipeline.rebuild,
             on_state=on_state,
         )

@@ -102,12 +102,15 @@ class HistoryNeed:
         window_ms: The longest window over it (a zone's day counts 25 hours); None
             with ``time_column``.
         entities: The entity types that read it.
+        home_column: The column naming a personal row's home region (None: shared
+            data, every region holds it).
     """
 
     table: str
     time_column: str | None
     window_ms: int | None
     entities: tuple[str, ...]
+    home_column: str | None = None
 
     @property
     def key(self) -> str:
@@ -137,9 +140,13 @@ class SourceRows:
     table_oldest_ms: int | None = None
 
 
-def history_needs(entities: Iterable[EntitySettings]) -> list[HistoryNeed]:
+def history_needs(
+    entities: Iterable[EntitySettings], home_columns: Mapping[str, str | None] | None = None
+) -> list[HistoryNeed]:
     """Every table the features read: a windowed one per (table, time column), with its
-    longest window; one without windows (latest values) whole. With their entity types."""
+    longest window; one without windows (latest values) whole. With their entity types
+    and, from ``home_columns`` (table -> column), the home-region column of each."""
+    homes = home_columns or {}
     windowed: dict[tuple[str, str], tuple[int, list[str]]] = {}
     whole: dict[str, list[str]] = {}
     for entity in entities:
@@ -153,11 +160,11 @@ def history_needs(entities: Iterable[EntitySettings]) -> list[HistoryNeed]:
                 [*names, entity.name],
             )
     found = [
-        HistoryNeed(table, column, window, tuple(sorted(set(names))))
+        HistoryNeed(table, column, window, tuple(sorted(set(names))), homes.get(table))
         for (table, column), (window, names) in windowed.items()
     ]
     found += [
-        HistoryNeed(table, None, None, tuple(sorted(set(names))))
+        HistoryNeed(table, None, None, tuple(sorted(set(names))), homes.get(table))
         for table, names in whole.items()
         if not any(n.table == table for n in found)  # a windowed table is checked by time
     ]
@@ -168,13 +175,23 @@ def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat()
 
 
-def rebuild_filter(need: HistoryNeed, cutoff_ms: int) -> str | None:
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def rebuild_filter(
+    need: HistoryNeed, cutoff_ms: int, homes: Sequence[str] | None = None
+) -> str | None:
     """The snapshot filter selecting the rows the windows still need (None: every row,
-    for a table without windows)."""
-    if need.time_column is None:
-        return None
-    column = '"' + need.time_column.replace('"', '""') + '"'
-    return f"{column} > '{_iso(cutoff_ms)}'::timestamptz"
+    for a table without windows), of the regions ``homes`` only when the table is
+    personal (a shared row is every region's)."""
+    parts = []
+    if need.time_column is not None:
+        parts.append(f"{_quoted(need.time_column)} > '{_iso(cutoff_ms)}'::timestamptz")
+    if homes is not None and need.home_column is not None:
+        listed = ", ".join("'" + home.replace("'", "''") + "'" for home in homes)
+        parts.append(f"{_quoted(need.home_column)} IN ({listed})")
+    return " AND ".join(parts) or None
 
 
 def history_marker(table: str, state: str, rebuild_id: str, entities: Sequence[str]) -> bytes:
@@ -201,16 +218,23 @@ class HistoryPorts(Protocol):
 
     async def write_record(self, key: str, record: Mapping[str, Any]) -> None: ...
 
-    async def source_rows(self, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
-        """Raises HistoryColumnError when the time column is missing or not a time."""
+    async def source_rows(
+        self, need: HistoryNeed, cutoff_ms: int, homes: Sequence[str] | None = None
+    ) -> SourceRows:
+        """What the source holds of the rows the features need (of the regions
+        ``homes`` only, for a personal table).
+
+        Raises:
+            HistoryColumnError: the time column is missing or not a time.
+        """
         ...
 
     async def stream_start(self, table: str) -> StreamStart | None:
         """Where the table's topic begins (None: it holds nothing yet)."""
         ...
 
-    async def send_markers(self, body: bytes) -> None:
-        """Send ``body`` to every partition of every regional topic."""
+    async def send_markers(self, body: bytes, regions: Sequence[str]) -> None:
+        """Send ``body`` to every partition of the regional topics of ``regions``."""
         ...
 
     async def snapshot(self, table: str, filter_sql: str | None) -> str:
@@ -234,8 +258,11 @@ class HistoryGuard:
     tables where it does not (see the module docstring).
 
     Attributes:
-        needs: The windowed tables (:func:`history_needs`).
+        needs: The tables the features read (:func:`history_needs`).
         ports: The world.
+        regions: Every region: a history record names the regions it covers, and a
+            region added since (a new region's topic and states are empty) gets
+            its own rows rebuilt, the other regions left alone.
         rebuild: ``auto`` rebuilds a gap; ``off`` reports it as an error.
         on_state: Called with (table, state) as tables go ``checking`` ->
             ``complete`` | ``rebuilding`` | ``gap`` (metrics).
@@ -243,6 +270,7 @@ class HistoryGuard:
 
     needs: Sequence[HistoryNeed]
     ports: HistoryPorts
+    regions: Sequence[str] = ()
     rebuild: str = "auto"
     on_state: Callable[[HistoryNeed, str], None] = lambda need, state: None
     wall: Callable[[], float] = time.time
@@ -255,6 +283,11 @@ class HistoryGuard:
         for need in self.needs:
             record = records.get(need.key) or {}
             if record.get("state") == "complete":
+                covered = record.get("regions")
+                new = [r for r in self.regions if isinstance(covered, list) and r not in covered]
+                if new:
+                    await self._check(need, record, new)
+                    continue
                 log.info("history of %s covers its windows (recorded complete)", need.table)
                 self._set(need, "complete")
                 continue
@@ -264,12 +297,17 @@ class HistoryGuard:
         self.states[need.key] = state
         self.on_state(need, state)
 
-    async def _check(self, need: HistoryNeed, record: Mapping[str, Any]) -> None:
+    async def _check(
+        self, need: HistoryNeed, record: Mapping[str, Any], new: Sequence[str] | None = None
+    ) -> None:
+        """Check (and rebuild) the table for every region, or for the ``new`` regions
+        only: their topics and states begin empty, whatever the stream holds."""
         self._set(need, "checking")
         now_ms = int(self.wall() * 1000)
         cutoff_ms = now_ms - (need.window_ms or 0)
+        homes = None if new is None or need.home_column is None else list(new)
         try:
-            rows = await self.ports.source_rows(need, cutoff_ms)
+            rows = await self.ports.source_rows(need, cutoff_ms, homes)
         except HistoryColumnError as exc:
             log.error("history of %s cannot be checked: %s", need.table, exc)
             self._set(need, "gap")
@@ -291,7 +329,9 @@ class HistoryGuard:
             await self._complete(need, now_ms, "no row the features need")
             return
         start = await self.ports.stream_start(need.table)
-        if need.time_column is None:  # every row counts: read whole by the connector?
+        if new is not None:  # a new region's history begins now, whatever the stream's
+            covered = False
+        elif need.time_column is None:  # every row counts: read whole by the connector?
             covered = start is not None and start.snapshotted
         else:
             covered = start is not None and start.commit_ms <= (rows.oldest_ms or 0)
@@ -307,7 +347,9 @@ class HistoryGuard:
             else f"begins at {_iso(start.commit_ms)}"
             + ("" if start.snapshotted else ", without a snapshot of the table")
         )
-        filter_sql = rebuild_filter(need, cutoff_ms)
+        if new is not None:
+            begins = f"does not reach the new region(s) {', '.join(new)}: they begin now"
+        filter_sql = rebuild_filter(need, cutoff_ms, homes)
         wanted = (
             "every row"
             if need.time_column is None
@@ -337,22 +379,32 @@ class HistoryGuard:
                 need.key, {"state": "gap", "filter": filter_sql, "at_ms": now_ms}
             )
             return
-        await self._rebuild(need, filter_sql, cutoff_ms)
+        await self._rebuild(need, filter_sql, cutoff_ms, new)
 
     async def _complete(self, need: HistoryNeed, now_ms: int, why: str) -> None:
-        await self.ports.write_record(need.key, {"state": "complete", "at_ms": now_ms})
+        record = {"state": "complete", "at_ms": now_ms, "regions": list(self.regions)}
+        await self.ports.write_record(need.key, record)
         log.info("history of %s covers its windows (%s)", need.table, why)
         self._set(need, "complete")
 
-    async def _rebuild(self, need: HistoryNeed, filter_sql: str | None, cutoff_ms: int) -> None:
+    async def _rebuild(
+        self,
+        need: HistoryNeed,
+        filter_sql: str | None,
+        cutoff_ms: int,
+        new: Sequence[str] | None = None,
+    ) -> None:
+        """Rebuild by a snapshot filtered with ``filter_sql``, between markers to the
+        regions that lack the rows (``new``, or every region)."""
         rebuild_id = f"rebuild-{uuid.uuid4().hex[:12]}"
+        marked = list(new) if new is not None else list(self.regions)
         self._set(need, "rebuilding")
         await self.ports.write_record(
             need.key,
             {"state": "rebuilding", "id": rebuild_id, "filter": filter_sql, "since_ms": cutoff_ms},
         )
         await self.ports.send_markers(
-            history_marker(need.table, HISTORY_BEGIN, rebuild_id, need.entities)
+            history_marker(need.table, HISTORY_BEGIN, rebuild_id, need.entities), marked
         )
         started = time.monotonic()
         delay = RETRY_FIRST_S
@@ -376,10 +428,16 @@ class HistoryGuard:
             await self.sleep(delay)
         await self.ports.routed_to_end(need.table)
         await self.ports.send_markers(
-            history_marker(need.table, HISTORY_END, rebuild_id, need.entities)
+            history_marker(need.table, HISTORY_END, rebuild_id, need.entities), marked
         )
         await self.ports.write_record(
-            need.key, {"state": "complete", "id": rebuild_id, "at_ms": int(self.wall() * 1000)}
+            need.key,
+            {
+                "state": "complete",
+                "id": rebuild_id,
+                "at_ms": int(self.wall() * 1000),
+                "regions": list(self.regions),
+            },
         )
         self._set(need, "complete")
         log.warning(
@@ -405,8 +463,11 @@ def check_time_column(table: str, column: str, data_type: str | None) -> None:
         )
 
 
-def source_rows(database: Any, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
-    """Count the rows the windows need in PostgreSQL (blocking; run in a thread).
+def source_rows(
+    database: Any, need: HistoryNeed, cutoff_ms: int, homes: Sequence[str] | None = None
+) -> SourceRows:
+    """Count the rows the features need in PostgreSQL (blocking; run in a thread), of
+    the regions ``homes`` only when given (a personal table).
 
     Raises:
         HistoryColumnError: the time column is missing or not a time.
@@ -416,10 +477,18 @@ def source_rows(database: Any, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
     from connectors.database import _connect
 
     schema, table = need.table.split(".", 1)
+    where: sql.Composable = sql.SQL("TRUE")
+    params: list[Any] = []
+    if homes is not None and need.home_column is not None:
+        where = sql.SQL("{} = ANY(%s)").format(sql.Identifier(need.home_column))
+        params = [list(homes)]
     with _connect(database) as conn:
         if need.time_column is None:
             counted = conn.execute(
-                sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table))
+                sql.SQL("SELECT count(*) FROM {} WHERE {}").format(
+                    sql.Identifier(schema, table), where
+                ),
+                params,
             ).fetchone()
             return SourceRows(0 if counted is None else int(str(counted[0])), None)
         found = conn.execute(
@@ -431,9 +500,14 @@ def source_rows(database: Any, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
         query = sql.SQL(
             "SELECT count(*) FILTER (WHERE {col} > to_timestamp(%s)), "
             "(extract(epoch FROM min({col}) FILTER (WHERE {col} > to_timestamp(%s))) "
-            "* 1000)::bigint, (extract(epoch FROM min({col})) * 1000)::bigint FROM {tab}"
-        ).format(col=sql.Identifier(need.time_column), tab=sql.Identifier(schema, table))
-        row = conn.execute(query, (cutoff_ms / 1000, cutoff_ms / 1000)).fetchone()
+            "* 1000)::bigint, (extract(epoch FROM min({col})) * 1000)::bigint FROM {tab} "
+            "WHERE {where}"
+        ).format(
+            col=sql.Identifier(need.time_column),
+            tab=sql.Identifier(schema, table),
+            where=where,
+        )
+        row = conn.execute(query, [cutoff_ms / 1000, cutoff_ms / 1000, *params]).fetchone()
     if row is None:
         return SourceRows(0, None)
     count, oldest, first = row

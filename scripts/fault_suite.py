@@ -465,6 +465,7 @@ class Suite:
     async def send_poison(self) -> None:
         topic = self.settings.sources[0].topic_for("public.users")
         events = self.settings.sources[0].topic_for("public.events")
+        items = self.settings.sources[0].topic_for("public.items")
         source = {"ts_ms": int(time.time() * 1000), "schema": "public", "lsn": 1}
         user = {"user_id": 999_001, "home_region": "eu-west", "country": "DE", "segment": 1}
         corpus: list[tuple[str, Any]] = [
@@ -489,6 +490,23 @@ class Suite:
                     },
                 },
             ),
+            # Over the broker's message limit (~1 MB) for the dead letters: once a crash
+            # loop (the send of the dead letter failed, the router restarted on it).
+            (items, {"op": "c", "after": {"item_id": 999_003, "price": 1, "x": "y" * 2_000_000}}),
+            (
+                events,
+                {
+                    "op": "c",
+                    "after": {
+                        "event_id": 999_004,
+                        "user_id": 1,
+                        "home_region": "eu-west",
+                        "kind": "view",
+                        "item_id": 1,
+                        "blob": "z" * 2_000_000,
+                    },
+                },
+            ),
         ]
         producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka.bootstrap_servers, max_request_size=2**22
@@ -496,7 +514,7 @@ class Suite:
         await producer.start()
         try:
             for name, body in corpus:
-                table = "events" if name == events else "users"
+                table = {events: "events", items: "items"}.get(name, "users")
                 value = (
                     body
                     if isinstance(body, bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -127,8 +128,8 @@ def _history_source(settings: EdgefeedSettings) -> HistorySource:
     from pipeline.app import HistorySource
     from pipeline.history import HistoryNeed, SourceRows, source_rows
 
-    def rows(need: HistoryNeed, cutoff_ms: int) -> SourceRows:
-        return source_rows(settings.database, need, cutoff_ms)
+    def rows(need: HistoryNeed, cutoff_ms: int, homes: Sequence[str] | None) -> SourceRows:
+        return source_rows(settings.database, need, cutoff_ms, homes)
 
     def snapshot(table: str, filter_sql: str | None) -> str:
         with ConnectClient(

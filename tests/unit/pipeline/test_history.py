@@ -4,7 +4,7 @@ filtered snapshot between a begin and an end marker, or reported when rebuild is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[3]
 SETTINGS = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
 NOW_MS = 1_764_000_000_000
 HOUR = 3_600_000
-EVENTS = HistoryNeed("public.events", "occurred_at", 24 * HOUR, ("item", "user"))
+EVENTS = HistoryNeed(
+    "public.events", "occurred_at", 24 * HOUR, ("item", "user"), home_column="home_region"
+)
 
 
 class Ports:
@@ -46,6 +48,8 @@ class Ports:
         self.records = dict(records or {})
         self.outcomes = list(snapshots or ["COMPLETED"])
         self.log: list[tuple[str, Any]] = []
+        self.homes: list[list[str] | None] = []  # the regions each count was asked for
+        self.marked: list[list[str]] = []  # the regions each marker went to
 
     async def read_records(self) -> dict[str, dict[str, Any]]:
         return dict(self.records)
@@ -54,8 +58,11 @@ class Ports:
         self.records[key] = dict(record)
         self.log.append(("record", record["state"]))
 
-    async def source_rows(self, need: HistoryNeed, cutoff_ms: int) -> SourceRows:
+    async def source_rows(
+        self, need: HistoryNeed, cutoff_ms: int, homes: Sequence[str] | None = None
+    ) -> SourceRows:
         self.log.append(("rows", cutoff_ms))
+        self.homes.append(None if homes is None else list(homes))
         if isinstance(self.rows, Exception):
             raise self.rows
         return self.rows
@@ -63,10 +70,11 @@ class Ports:
     async def stream_start(self, table: str) -> StreamStart | None:
         return None if self.start_ms is None else StreamStart(self.start_ms, self.snapshotted)
 
-    async def send_markers(self, body: bytes) -> None:
+    async def send_markers(self, body: bytes, regions: Sequence[str]) -> None:
         (entry,), _ = decode_pack(body)
         change = RegionalChange.from_wire(entry)
         self.log.append(("marker", (change.row or {})["state"]))
+        self.marked.append(list(regions))
 
     async def snapshot(self, table: str, filter_sql: str | None) -> str:
         outcome = self.outcomes.pop(0)
@@ -83,20 +91,25 @@ async def no_sleep(_seconds: float) -> None:
     return None
 
 
+REGIONS = ("eu-west", "us-east")
+
+
 def guard(ports: Ports, rebuild: str = "auto", need: HistoryNeed = EVENTS) -> HistoryGuard:
-    return HistoryGuard([need], ports, rebuild, wall=lambda: NOW_MS / 1000, sleep=no_sleep)
+    return HistoryGuard([need], ports, REGIONS, rebuild, wall=lambda: NOW_MS / 1000, sleep=no_sleep)
 
 
 USERS = HistoryNeed("public.users", None, None, ("user",))
 
 
 def test_the_needs_are_the_windowed_tables_and_the_tables_read_whole() -> None:
-    events, items, users = history_needs(SETTINGS.entities)
+    homes = {name: table.home_region_column for name, table in SETTINGS.tables().items()}
+    events, items, users = history_needs(SETTINGS.entities, homes)
+    assert (events.home_column, items.home_column) == ("home_region", None)
     assert (events.table, events.time_column) == ("public.events", "occurred_at")
     assert events.window_ms == 24 * HOUR  # the user's 1d windows (UTC), over the item's 1h
     assert events.entities == ("item", "user")
     assert (items.table, items.time_column, items.window_ms) == ("public.items", None, None)
-    assert users == USERS and users.key == "public.users"
+    assert users.key == "public.users" and users.home_column == "home_region"
 
 
 @pytest.mark.parametrize(
@@ -129,7 +142,7 @@ def test_the_filter_selects_the_rows_inside_the_window() -> None:
     ("rows", "start_ms", "record", "expected"),
     [
         # A record says complete: the source is not even asked.
-        (SourceRows(10, NOW_MS - HOUR), None, {"state": "complete"}, []),
+        (SourceRows(10, NOW_MS - HOUR), None, {"state": "complete", "regions": REGIONS}, []),
         # No row inside the windows: nothing can be missing.
         (SourceRows(0, None), None, None, [("rows", NOW_MS - 24 * HOUR), ("record", "complete")]),
         # The stream's first commit is older than the oldest row the windows need.
@@ -168,6 +181,7 @@ async def test_a_gap_is_rebuilt_between_a_begin_and_an_end_marker(start_ms: int 
     ]
     (filter_sql,) = [v for kind, v in ports.log if kind == "snapshot"]
     assert filter_sql == rebuild_filter(EVENTS, NOW_MS - 24 * HOUR)
+    assert ports.marked == [list(REGIONS), list(REGIONS)]  # every region lacks the rows
     assert checker.states == {EVENTS.key: "complete"}
 
 
@@ -245,3 +259,42 @@ async def test_a_source_whose_history_is_shorter_than_a_window_is_said(
     ports = Ports(SourceRows(5, NOW_MS - HOUR, table_oldest_ms=NOW_MS - 48 * HOUR), NOW_MS)
     await guard(ports).run()
     assert "own history" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("need", "filter_sql"),
+    [
+        # Personal rows: only the new region's, inside the window.
+        (
+            EVENTS,
+            "\"occurred_at\" > '2025-11-23T16:00:00+00:00'::timestamptz AND "
+            "\"home_region\" IN ('ap-southeast')",
+        ),
+        # Shared rows without windows: every row (a re-read is a no-op elsewhere).
+        (HistoryNeed("public.items", None, None, ("item",)), None),
+    ],
+)
+async def test_a_new_region_gets_its_own_rows_rebuilt_and_only_it_is_marked(
+    need: HistoryNeed, filter_sql: str | None
+) -> None:
+    record = {"state": "complete", "regions": list(REGIONS)}
+    ports = Ports(SourceRows(7, NOW_MS - HOUR), NOW_MS - 48 * HOUR, {need.key: record})
+    checker = HistoryGuard(
+        [need], ports, (*REGIONS, "ap-southeast"), wall=lambda: NOW_MS / 1000, sleep=no_sleep
+    )
+    await checker.run()
+    assert ports.homes == [["ap-southeast"] if need.home_column else None]
+    assert [v for kind, v in ports.log if kind == "snapshot"] == [filter_sql]
+    assert ports.marked == [["ap-southeast"], ["ap-southeast"]]  # begin and end
+    assert ports.records[need.key]["regions"] == [*REGIONS, "ap-southeast"]
+
+
+async def test_a_new_region_without_rows_is_recorded_without_a_rebuild() -> None:
+    record = {"state": "complete", "regions": list(REGIONS)}
+    ports = Ports(SourceRows(0, None), None, {EVENTS.key: record})
+    checker = HistoryGuard(
+        [EVENTS], ports, (*REGIONS, "ap-southeast"), wall=lambda: NOW_MS / 1000, sleep=no_sleep
+    )
+    await checker.run()
+    assert not any(kind == "snapshot" for kind, _ in ports.log)
+    assert ports.records[EVENTS.key]["regions"] == [*REGIONS, "ap-southeast"]
