@@ -465,10 +465,10 @@ def build_router_app(
             raise
 
     if history is not None:
-        home_columns = {name: table.home_region_column for name, table in config.tables.items()}
+        table_homes = {name: table.home_region_column for name, table in config.tables.items()}
         needs = [
             n
-            for n in history_needs(config.entities, home_columns)
+            for n in history_needs(config.entities, table_homes)
             if n.table in config.source_topics
         ]
         states = ("checking", "complete", "rebuilding", "gap")
