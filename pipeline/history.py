@@ -10,8 +10,10 @@ new deployment over a table that already holds recent rows, or after a
 restored database. A table declared ``snapshot: false`` is never read again by
 a new connector, so nothing else would ever bring those rows back.
 
-The router checks it at start, for the whole source, per windowed table
-(:class:`HistoryGuard`):
+The router checks it at start, for the whole source, per table the features read
+(:class:`HistoryGuard`; a table without windows needs every row, and is covered
+when its topic begins with the connector's snapshot of it; a region added since
+the last check gets its own rows rebuilt, see :meth:`HistoryGuard.run`):
 
 1. **Already covered?** The router's *history record* (a one-partition topic,
    ``<app_prefix>-router-history``, that lives and dies with the broker's other
@@ -278,7 +280,8 @@ class HistoryGuard:
     states: dict[str, str] = field(default_factory=dict)
 
     async def run(self) -> None:
-        """Check every windowed table; rebuild those with a gap, one at a time."""
+        """Check every table the features read; rebuild those with a gap, one at a
+        time (for every region, or for the regions the table's record does not name)."""
         records = await self.ports.read_records()
         for need in self.needs:
             record = records.get(need.key) or {}
