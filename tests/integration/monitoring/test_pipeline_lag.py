@@ -191,6 +191,10 @@ async def test_freshness_per_region_reflects_a_postgres_write(pipeline: Pipeline
             (e := pref_of(r)) is not None
             and e.freshness_seconds is not None
             and e.freshness_seconds <= r.at - before + 0.05
+            # A router that checked its history after the warm-up row rebuilds the
+            # table once (pipeline.history: it cannot tell that row was streamed);
+            # the region is REBUILDING until that ends.
+            and r.region("eu-west").state != "REBUILDING"
         ),
         "eu-west freshness from the new write",
         logs=logs,
