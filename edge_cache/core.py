@@ -500,7 +500,7 @@ class LookupCore:
         if checked is None or time.monotonic() - checked[0] >= REBUILD_CHECK_S:
             listed = yield ReadRebuilding(name, self.layout.rebuild_key())
             if isinstance(listed, dict):
-                entities = frozenset(_text(field).partition("|")[0] for field in listed)
+                entities = self.layout.rebuilding_entities(listed)
                 self.rebuilding[name] = (time.monotonic(), entities)
         decoded = plan.reader.decode(raws, plan.ids, plan.at_us)
         if decoded.needs:
@@ -537,7 +537,3 @@ class LookupCore:
                 )
                 decoded = replace(decoded, corrupt=decoded.corrupt + extra)
         return decoded, hits
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

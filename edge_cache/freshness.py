@@ -87,7 +87,7 @@ async def read_freshness(
         listed = sorted((_text(entity), _text(reason)) for entity, reason in pairs)
         listed = listed[:QUARANTINE_SAMPLE]
     fields = await client.hgetall(layout.rebuild_key())
-    rebuilding = sorted({_text(field).partition("|")[0] for field in fields})
+    rebuilding = sorted(layout.rebuilding_entities(fields))
     return FreshnessSnapshot(
         records,
         {entity: tuple(sorted(times)) for entity, times in sampled.items()},

@@ -59,7 +59,7 @@ import math
 import struct
 import time
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -278,6 +278,14 @@ class KeyLayout:
         (pipeline.history): ``<entity>|<partition>`` -> JSON ``{id, table, at_ms}``;
         an entity type is rebuilding while any field names it (``ef:rebuilding``)."""
         return f"{self.namespace}:rebuilding"
+
+    @staticmethod
+    def rebuilding_entities(fields: Iterable[bytes | str]) -> frozenset[str]:
+        """The entity types a :meth:`rebuild_key` hash lists, from its field names."""
+        return frozenset(
+            (f.decode("utf-8", "replace") if isinstance(f, bytes) else str(f)).partition("|")[0]
+            for f in fields
+        )
 
     def freshness_key(self, entity: str) -> str:
         """The HASH where the pipeline records, per entity type, the source commit
