@@ -698,7 +698,10 @@ def build_region_app(
         acker=acker,
         metrics=_metrics(metrics),
         policy=BatchPolicy(
-            pipeline.batch_max, pipeline.batch_within_ms / 1000.0, pipeline.batch_catch_up
+            pipeline.batch_max,
+            pipeline.batch_within_ms / 1000.0,
+            pipeline.batch_catch_up,
+            pipeline.snapshot_lane_ms / 1000.0,
         ),
         checkpoint_interval_s=pipeline.checkpoint_interval_s,
         on_fatal=app.crash,

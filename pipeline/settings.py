@@ -335,6 +335,11 @@ class PipelineSettings(BaseModel):
         batch_catch_up: A batch also stays open until it is this many times as old
             as the last flush took: a worker that falls behind takes bigger batches.
             Higher values favour throughput, lower ones freshness.
+        snapshot_lane_ms: How long a worker holds the vectors of entities that
+            only snapshot reads changed (an incremental snapshot, a history
+            rebuild, a feature backfill) before writing them: once per this
+            much, however many of their rows came, so that a snapshot costs
+            streamed changes little. Their messages are acked after the write.
         commit_interval_s: How often consumed offsets are committed.
         checkpoint_interval_s: How often a regional worker writes the entity
             states it changed to the changelog topic, and only then acks the
@@ -362,6 +367,7 @@ class PipelineSettings(BaseModel):
     batch_max: int = Field(default=5000, ge=1, le=100_000)
     batch_within_ms: int = Field(default=20, ge=1, le=10_000)
     batch_catch_up: float = Field(default=2.0, ge=0.0, le=20.0)
+    snapshot_lane_ms: int = Field(default=1000, ge=1, le=60_000)
     commit_interval_s: float = Field(default=1.0, gt=0)
     checkpoint_interval_s: float = Field(default=1.0, gt=0, le=60)
     gc_full_interval_s: float = Field(default=600.0, ge=10)

@@ -6,16 +6,25 @@ pipelined cache write happen per entity per *batch*. A batch closes at
 ``catch_up`` times as old as the last flush took: a worker that falls behind
 takes bigger batches (the fixed cost of a flush is shared by more changes)
 instead of falling further behind.
+
+Entities a batch changed only by snapshot reads (op ``r``: an incremental
+snapshot's rows, a history rebuild, a feature backfill) are set apart
+(:attr:`ClosedBatch.read_only`): the worker writes their vectors from a slower
+lane (:class:`SnapshotLane`), once per ``lane_s`` however many of their rows
+came, so that a snapshot's rows cost streamed changes little CPU. A snapshot
+interleaves entities (a chunk holds a few rows of each of hundreds): written per
+batch, one entity's vector would be computed again with each chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.runtime.ledger import Delivery
 
-__all__ = ["BatchPolicy", "ClosedBatch", "RegionBatch", "Touched"]
+__all__ = ["BatchPolicy", "ClosedBatch", "RegionBatch", "SnapshotLane", "Touched"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +34,7 @@ class BatchPolicy:
     max_changes: int = 5000
     within_s: float = 0.02
     catch_up: float = 2.0
+    lane_s: float = 1.0  # how long snapshot-read entities wait to be written
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +54,7 @@ class ClosedBatch:
     deliveries: list[Delivery]
     touched: dict[str, Touched]
     changes: int
+    read_only: set[str] = field(default_factory=set)  # touched by snapshot reads only
 
 
 @dataclass(slots=True)
@@ -60,6 +71,7 @@ class RegionBatch:
     changes: int = 0
     opened_at: float | None = None
     last_flush_s: float = 0.0
+    read_only: set[str] = field(default_factory=set)
 
     def add(self, delivery: Delivery, changes: int, now: float) -> None:
         """A message with ``changes`` changes joined the batch."""
@@ -68,8 +80,13 @@ class RegionBatch:
         self.deliveries.append(delivery)
         self.changes += changes
 
-    def touch(self, key: str, touched: Touched) -> None:
-        """The batch changed entity ``key`` (the newest state wins)."""
+    def touch(self, key: str, touched: Touched, *, snapshot_read: bool = False) -> None:
+        """The batch changed entity ``key`` (the newest state wins); ``snapshot_read``:
+        by a snapshot read (an entity changed only by those goes to the lane)."""
+        if not snapshot_read:
+            self.read_only.discard(key)
+        elif key not in self.touched:
+            self.read_only.add(key)
         self.touched[key] = touched
 
     def due(self, now: float) -> bool:
@@ -87,10 +104,57 @@ class RegionBatch:
 
     def close(self) -> ClosedBatch:
         """Take the batch for flushing; a new one opens with the next message."""
-        closed = ClosedBatch(self.deliveries, self.touched, self.changes)
+        closed = ClosedBatch(self.deliveries, self.touched, self.changes, self.read_only)
         self.deliveries, self.touched, self.changes, self.opened_at = [], {}, 0, None
+        self.read_only = set()
         return closed
 
     def flushed(self, seconds: float) -> None:
         """The last flush took ``seconds`` (it sets how long the next batch may grow)."""
         self.last_flush_s = seconds
+
+
+@dataclass(slots=True)
+class SnapshotLane:
+    """Entities changed only by snapshot reads, waiting for their vectors' write, and
+    the messages behind them (acknowledged only once those vectors are in the cache:
+    the ledger gets them from :meth:`take`).
+
+    Args:
+        lane_s: How long the lane holds what it took first.
+        max_entities: The lane is due at once when it holds this many entities.
+    """
+
+    lane_s: float = 1.0
+    max_entities: int = 5000
+    touched: dict[str, Touched] = field(default_factory=dict)
+    deliveries: list[Delivery] = field(default_factory=list)
+    opened_at: float | None = None
+
+    def hold(self, touched: dict[str, Touched], deliveries: list[Delivery], now: float) -> None:
+        """Hold ``touched`` (snapshot-read entities) and the messages of their batch."""
+        if self.opened_at is None:
+            self.opened_at = now
+        self.touched.update(touched)
+        self.deliveries.extend(deliveries)
+
+    def superseded(self, keys: Iterable[str]) -> None:
+        """These entities are written with newer states: the lane drops them (their
+        messages stay held until the lane is taken)."""
+        for key in keys:
+            self.touched.pop(key, None)
+
+    def due_at(self) -> float | None:
+        """When the lane falls due (None: it holds nothing)."""
+        if self.opened_at is None:
+            return None
+        if len(self.touched) >= self.max_entities:
+            return self.opened_at
+        return self.opened_at + self.lane_s
+
+    def take(self) -> tuple[dict[str, Touched], list[Delivery]]:
+        """Empty the lane: its entities to write, and the messages to hand the ledger
+        once they are written."""
+        taken = self.touched, self.deliveries
+        self.touched, self.deliveries, self.opened_at = {}, [], None
+        return taken

@@ -38,7 +38,7 @@ from pipeline.exceptions import PoisonEventError, SinkUnavailableError
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.messages import RegionalChange, decode_pack
 from pipeline.metrics import PipelineMetrics
-from pipeline.runtime.batch import BatchPolicy, RegionBatch, Touched
+from pipeline.runtime.batch import BatchPolicy, RegionBatch, SnapshotLane, Touched
 from pipeline.runtime.ledger import Checkpoint, CheckpointLedger, Delivery
 
 __all__ = ["Acker", "CacheSink", "ChangelogSink", "DeadLetterSink", "RegionRuntime"]
@@ -170,6 +170,7 @@ class RegionRuntime:
         self.cache, self.changelog = cache, changelog
         self.dead_letters, self.acker = dead_letters, acker
         self.batch = RegionBatch(policy or BatchPolicy())
+        self.lane = SnapshotLane(self.batch.policy.lane_s, self.batch.policy.max_changes)
         self.clock = clock
         # The first checkpoint comes one interval after the start, like every other.
         self.ledger = CheckpointLedger(checkpoint_interval_s, last_at=clock())
@@ -279,7 +280,11 @@ class RegionRuntime:
             self._non_finite.inc(entity.non_finite - non_finite)
         if changed and new_state is not None:
             self.live[key] = new_state
-            self.batch.touch(key, Touched(change.entity, change.entity_id, delivery, new_state))
+            self.batch.touch(
+                key,
+                Touched(change.entity, change.entity_id, delivery, new_state),
+                snapshot_read=change.op == "r",
+            )
             self._applied.inc()
         else:
             self._duplicates.inc()
@@ -291,7 +296,7 @@ class RegionRuntime:
         those rows are written before the listing ends."""
         row = change.row or {}
         begin = row.get("state") == "begin"
-        await self.flush()  # what came before the marker is in the cache first
+        await self.flush(lane=True)  # what came before the marker is in the cache first
         value = orjson.dumps(
             {"id": row.get("id"), "table": change.table, "at_ms": change.commit_ms}
         ).decode()
@@ -344,7 +349,7 @@ class RegionRuntime:
         checkpoint once the interval has passed, and now and then check that the cache
         still holds what was written."""
         now = self.clock()
-        if self.batch.due(now) or self._checkpoint_due(now):
+        if self.batch.due(now) or self._checkpoint_due(now) or self._lane_due(now):
             await self.flush()
         if self._renewals and self._renewals[0][0] <= self._now_us():
             await self.renew()
@@ -361,7 +366,9 @@ class RegionRuntime:
         now = self.clock()
         times = [self._next_intact_check, now + IDLE_TICK_S]
         checkpoint_at = None if self._checkpoint_pending() else self.ledger.due_at()
-        times += [t for t in (self.batch.due_at(), checkpoint_at) if t is not None]
+        times += [
+            t for t in (self.batch.due_at(), checkpoint_at, self.lane.due_at()) if t is not None
+        ]
         if self._renewals:
             times.append(now + (self._renewals[0][0] - self._now_us()) / 1e6)
         return max(0.0, min(times) - now)
@@ -373,6 +380,10 @@ class RegionRuntime:
 
     def _checkpoint_due(self, now: float) -> bool:
         return self.ledger.due(now) and not self._checkpoint_pending()
+
+    def _lane_due(self, now: float) -> bool:
+        due_at = self.lane.due_at()
+        return due_at is not None and now >= due_at
 
     async def wait_for_duty(self) -> None:
         """Sleep until :meth:`tick` has something to do, or a message or a flush changed
@@ -412,37 +423,30 @@ class RegionRuntime:
             await self._report_quarantine()
             return True
 
-    async def flush(self) -> None:
-        """Write the open batch's vectors to the cache, then start a checkpoint if due."""
+    async def flush(self, *, lane: bool = False) -> None:
+        """Write the open batch's vectors to the cache (those of entities only snapshot
+        reads changed go to the lane), the lane's once it is due (or with ``lane``),
+        then start a checkpoint if due."""
         async with self._flush_lock:
             closed = self.batch.close()
             if closed.deliveries:
                 started = time.perf_counter()
-                ops: list[Upsert | Delete] = []
-                keys: list[str] = []
-                states: list[tuple[str, Delivery, EntityState]] = []
-                retry: list[tuple[Upsert | Delete, str]] = []
-                now_ms = self._now_ms()
-                for key, touched in closed.touched.items():
-                    states.append((key, touched.delivery, touched.state))
-                    entity = self.engine.engine(touched.entity)
-                    op = entity.write_op(touched.entity_id, touched.state, now_ms)
-                    if key in self.quarantined:
-                        retry.append((op, key))  # alone: its failure must not slow the rest
-                        continue
-                    ops.append(op)
-                    keys.append(key)
-                if ops:
-                    await self._write(ops, keys)
-                for op, key in retry:  # a change may have cured it
-                    await self._write([op], [key])
-                # In the cache now: the states await the changelog, the messages an ack.
-                self.ledger.written(closed.deliveries, states)
+                later = {key: closed.touched.pop(key) for key in closed.read_only}
+                self.lane.superseded(closed.touched)  # written now, with newer states
+                if later:
+                    # The batch's messages are acked once the lane's vectors are written.
+                    self.lane.hold(later, closed.deliveries, self.clock())
+                await self._write_touched(closed.touched, [] if later else closed.deliveries)
                 elapsed = time.perf_counter() - started
                 self.batch.flushed(elapsed)
                 self._batch_sizes.observe(closed.changes)
                 self._batch_seconds.observe(elapsed)
                 self._wake.set()  # messages await a checkpoint: its due time changed
+            if lane or self._lane_due(self.clock()):
+                touched, deliveries = self.lane.take()
+                if deliveries:
+                    await self._write_touched(touched, deliveries)
+                    self._wake.set()
             await self._report_quarantine()
             if self._checkpoint_due(self.clock()) and not self._checkpoint_lock.locked():
                 # One task at a time: until the task begins, the ledger still shows the
@@ -452,6 +456,31 @@ class RegionRuntime:
                 task = asyncio.ensure_future(self._checkpoint_or_fail())
                 task.add_done_callback(lambda _task: self._wake.set())
                 self._checkpoint_task = task
+
+    async def _write_touched(
+        self, touched: Mapping[str, Touched], deliveries: Sequence[Delivery]
+    ) -> None:
+        """Write the vectors of ``touched`` and hand the ledger their states and
+        ``deliveries`` (the messages whose changes are all in the cache now)."""
+        ops: list[Upsert | Delete] = []
+        keys: list[str] = []
+        states: list[tuple[str, Delivery, EntityState]] = []
+        retry: list[tuple[Upsert | Delete, str]] = []
+        now_ms = self._now_ms()
+        for key, entry in touched.items():
+            states.append((key, entry.delivery, entry.state))
+            op = self.engine.engine(entry.entity).write_op(entry.entity_id, entry.state, now_ms)
+            if key in self.quarantined:
+                retry.append((op, key))  # alone: its failure must not slow the rest
+                continue
+            ops.append(op)
+            keys.append(key)
+        if ops:
+            await self._write(ops, keys)
+        for op, key in retry:  # a change may have cured it
+            await self._write([op], [key])
+        # In the cache now: the states await the changelog, the messages an ack.
+        self.ledger.written(deliveries, states)
 
     async def _write(
         self, ops: list[Upsert | Delete], keys: list[str], *, again: bool = False
@@ -635,7 +664,7 @@ class RegionRuntime:
         redelivered messages would find their changes already in the in-memory
         states, and those states would never reach the changelog.
         """
-        await self.flush()
+        await self.flush(lane=True)
         if self._checkpoint_task is not None and not self._checkpoint_task.done():
             await asyncio.wait([self._checkpoint_task])
         if self.ledger.ready:

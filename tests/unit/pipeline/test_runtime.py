@@ -26,6 +26,7 @@ from pipeline.runtime import (
     RegionBatch,
     RegionRuntime,
 )
+from pipeline.runtime.batch import SnapshotLane, Touched
 
 ROOT = Path(__file__).resolve().parents[3]
 SETTINGS = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
@@ -62,6 +63,46 @@ def test_closing_a_batch_opens_an_empty_one() -> None:
     closed = batch.close()
     assert closed.changes == 3 and len(closed.deliveries) == 1
     assert batch.opened_at is None and not batch.deliveries and not batch.due(100.0)
+
+
+# Touches of one entity in a batch -> whether the batch sets it apart for the lane
+# (changed by snapshot reads only).
+LANE_CASES = [
+    ("snapshot reads only", [True, True], True),
+    ("a streamed change only", [False], False),
+    ("a snapshot read, then a streamed change", [True, False], False),
+    ("a streamed change, then a snapshot read", [False, True], False),
+]
+
+
+@pytest.mark.parametrize(
+    ("reads", "apart"), [c[1:] for c in LANE_CASES], ids=[c[0] for c in LANE_CASES]
+)
+def test_an_entity_only_snapshot_reads_changed_goes_to_the_lane(
+    reads: list[bool], apart: bool
+) -> None:
+    batch = RegionBatch()
+    batch.add(Delivery(0, 1), len(reads), now=1.0)
+    for read in reads:
+        batch.touch("user:7", Touched("user", 7, Delivery(0, 1), {}), snapshot_read=read)
+    closed = batch.close()
+    assert ("user:7" in closed.read_only) is apart
+    assert "user:7" in closed.touched
+    assert not batch.read_only  # the next batch starts clean
+
+
+def test_the_lane_is_due_after_its_time_or_when_full() -> None:
+    lane = SnapshotLane(lane_s=1.0, max_entities=2)
+    assert lane.due_at() is None
+    lane.hold({"user:1": Touched("user", 1, Delivery(0, 1), {})}, [Delivery(0, 1)], now=10.0)
+    assert lane.due_at() == 11.0
+    lane.hold({"user:2": Touched("user", 2, Delivery(0, 2), {})}, [Delivery(0, 2)], now=10.5)
+    assert lane.due_at() == 10.0  # full: at once
+    lane.superseded(["user:1"])
+    touched, deliveries = lane.take()
+    assert list(touched) == ["user:2"]
+    assert [d.offset for d in deliveries] == [1, 2]  # held messages stay until taken
+    assert lane.due_at() is None
 
 
 # -- the checkpoint ledger -----------------------------------------------------------------
@@ -673,6 +714,84 @@ async def test_after_recovery_every_vector_with_windows_is_renewed() -> None:
 def marker(state: str, rebuild_id: str = "rebuild-1") -> dict[str, Any]:
     row = {"state": state, "id": rebuild_id, "entities": ["user", "item"]}
     return {"t": "public.events", "op": "h", "lsn": 0, "seq": 0, "ts": T0, "row": row}
+
+
+def snapshot_read(change: RegionalChange) -> RegionalChange:
+    """``change`` as an incremental snapshot reads it (op ``r``)."""
+    return RegionalChange(
+        change.table,
+        "r",
+        change.lsn,
+        change.seq,
+        change.commit_ms,
+        change.entity,
+        change.entity_id,
+        change.pk,
+        change.row,
+    )
+
+
+async def test_snapshot_reads_are_written_from_the_lane_and_acked_only_after() -> None:
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    # A snapshot chunk (user 7's rows) and a streamed view of user 8 in one batch.
+    await runtime.on_message(
+        Delivery(0, 1), pack(snapshot_read(view(1, 7, 10)), snapshot_read(view(2, 7, 11)))
+    )
+    await runtime.on_message(Delivery(0, 2), pack(view(3, 8, 12)))
+    clock.now += 0.05
+    await runtime.tick()
+    assert cache.writes == [(["user:8"], True)]  # the streamed view at once
+    # More of the snapshot: user 7 is written once, when the lane falls due.
+    await runtime.on_message(Delivery(0, 3), pack(snapshot_read(view(4, 7, 13))))
+    clock.now += 0.05
+    await runtime.tick()
+    assert "user:7" not in cache.vectors
+    clock.now += 0.5  # a checkpoint may run: what the lane holds is not acked
+    await runtime.tick()
+    if runtime._checkpoint_task is not None:
+        await asyncio.wait_for(runtime._checkpoint_task, 5)
+    assert 1 not in acked(journal) and 3 not in acked(journal)
+    clock.now += 1.0
+    assert runtime.seconds_to_duty() == 0.0
+    await runtime.tick()
+    assert cache.vectors["user:7"]["views_30m"] == 3
+    assert [keys for keys, _ in cache.writes].count(["user:7"]) == 1
+    clock.now += 1.0
+    await runtime.tick()
+    await asyncio.wait_for(runtime._checkpoint_task, 5)  # type: ignore[arg-type]
+    assert sorted(acked(journal)) == [1, 2, 3]
+
+
+async def test_a_streamed_change_takes_its_entity_out_of_the_lane() -> None:
+    runtime, _journal, cache, _changelog, _dead, clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(snapshot_read(view(1, 7, 10))))
+    clock.now += 0.05
+    await runtime.tick()
+    await runtime.on_message(Delivery(0, 2), pack(view(2, 7, 11)))  # streamed
+    clock.now += 0.05
+    await runtime.tick()
+    assert cache.vectors["user:7"]["views_30m"] == 2  # both rows, written now
+    clock.now += 1.0
+    await runtime.tick()
+    assert [keys for keys, _ in cache.writes].count(["user:7"]) == 1  # not again
+
+
+async def test_a_rebuild_end_marker_writes_what_the_lane_holds_first() -> None:
+    runtime, journal, cache, _changelog, _dead, _clock = make_runtime()
+    await runtime.on_message(Delivery(1, 1), pack(marker("begin")))
+    await runtime.on_message(Delivery(1, 2), pack(snapshot_read(view(1, 7, 10))))
+    await runtime.on_message(Delivery(1, 3), pack(marker("end")))
+    kinds = [kind for kind, _ in journal.events]
+    assert kinds == ["rebuilding", "cache", "rebuilding"]
+    assert cache.vectors["user:7"]["views_30m"] == 1
+
+
+async def test_revoke_writes_and_acks_what_the_lane_holds() -> None:
+    runtime, journal, cache, _changelog, _dead, _clock = make_runtime()
+    await runtime.on_message(Delivery(0, 1), pack(snapshot_read(view(1, 7, 10))))
+    await runtime.on_revoke()
+    assert cache.vectors["user:7"]["views_30m"] == 1
+    assert acked(journal) == [1]
 
 
 async def test_a_rebuild_is_listed_from_its_begin_marker_to_its_end_marker() -> None:
