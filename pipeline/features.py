@@ -69,6 +69,14 @@ MAX_TEXT_CHARS = 8192  # a text value kept in a state (where filters, distinct v
 SCHEDULE_SLOTS = 4
 _F32_MAX = 3.4028234663852886e38
 _INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+# The largest magnitude an aggregate's dtype holds (float64: any finite number).
+_MAGNITUDE = {
+    "float32": _F32_MAX,
+    "float64": math.inf,
+    "int32": float(2**31 - 1),
+    "int64": float(2**63 - 1),
+    "bool": math.inf,
+}
 _NON_FINITE_TEXT = frozenset(
     ("nan", "-nan", "+nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
 )
@@ -281,6 +289,10 @@ class _TableNeeds:
     retention_ms: int | None  # None: no window bounds it (latest/last_n only)
     keep_last: int  # rows always kept (latest: 1, last_n: n)
     dtypes: dict[str, str]  # column -> dtype it must convert to
+    # Column -> (the largest magnitude, the dtype that sets it): a number an aggregate
+    # reads is refused on arrival beyond the widest dtype of the aggregates reading
+    # it (it could only make their values missing for as long as it stays in a window).
+    limits: dict[str, tuple[float, str]]
 
 
 class EntityEngine:
@@ -331,6 +343,7 @@ class EntityEngine:
         for table in entity.tables:
             columns: set[str] = set()
             dtypes: dict[str, str] = {}
+            limits: dict[str, tuple[float, str]] = {}
             windows: list[int] = []
             keep_last = 0
             for latest in entity.latest:
@@ -349,6 +362,9 @@ class EntityEngine:
                         dtypes[agg.column] = dtype
                     elif dtype is not None:
                         dtypes.setdefault(agg.column, dtype)
+                    if agg.kind.numeric:
+                        widest = (_MAGNITUDE[agg.effective_dtype], agg.effective_dtype)
+                        limits[agg.column] = max(limits.get(agg.column, widest), widest)
                 if agg.window is not None:
                     # A zone's day can last 25 hours: its bucket can start an hour earlier.
                     slack = 3_600_000 if agg.window.time_zone != "UTC" else 0
@@ -363,6 +379,7 @@ class EntityEngine:
                 max(windows) if windows else None,
                 keep_last,
                 dtypes,
+                limits,
             )
 
     # -- state updates -----------------------------------------------------------------------
@@ -441,6 +458,14 @@ class EntityEngine:
                 except NonFinite:
                     value = None
                     self.non_finite += 1
+                limit = needs.limits.get(column)
+                if limit is not None and value is not None and abs(value) > limit[0]:
+                    raise PoisonEventError(
+                        "out-of-range",
+                        f"{table}.{column}: value {_shown(row.get(column))} is beyond what "
+                        f"its aggregates hold ({limit[1]}, up to {limit[0]:.4g}); declare "
+                        "their dtype float64 to take it",
+                    )
                 values[column] = value
             event_ms = event_time_ms(
                 row.get(needs.time_column) if needs.time_column else None, change.commit_ms

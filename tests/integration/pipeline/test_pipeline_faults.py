@@ -52,6 +52,7 @@ def hostile_events(run: PipelineRun) -> list[tuple[str, bytes]]:
     event = {"event_id": 9001, "user_id": 2001, "item_id": 601, "category_id": 3,
              "price": "1.00", "home_region": "eu-west", "kind": "view",
              "occurred_at": "2026-06-01T12:00:00Z"}  # fmt: skip
+    costly = {"event_id": 9002, "kind": "purchase", "price": "1e300"}
     return [
         ("users", debezium(run, "users", {**user, "segment": 2**40}, 10)),
         ("users", debezium(run, "users", {**user, "segment": "99999999999"}, 11)),
@@ -64,6 +65,8 @@ def hostile_events(run: PipelineRun) -> list[tuple[str, bytes]]:
         ("events", debezium(run, "events", {**event, "kind": "v" * 600_000}, 18)),
         ("events", debezium(run, "events", {**event, "blob": 2**70}, 19)),
         ("users", debezium(run, "users", user, 20, ts_ms=10**17)),
+        # A price a float32 sum cannot hold: refused, not a missing spend_today all day.
+        ("events", debezium(run, "events", {**event, **costly}, 21)),
     ]
 
 

@@ -62,6 +62,10 @@ def encodable(engine: Any, state: Any) -> None:
         (user_row(10, segment="99999999999"), "out-of-range", "out of int32 range"),
         (item_row(10, price=1e39), "out-of-range", "out of float32 range"),
         (item_row(10, category_id=2**70), "out-of-range", "out of int64 range"),
+        # A number an aggregate reads, beyond the widest dtype of those aggregates
+        # (spend_today sums price as float32): refused, not a missing sum for a day.
+        (event(10, 1, kind="purchase", price=1e300), "out-of-range", "float32, up to"),
+        (event(10, 1, kind="view", price="-1e39"), "out-of-range", "declare their dtype"),
         (event(10, 1, occurred_at=1e300), "out-of-range", "outside 1970"),
         (event(10, 1, occurred_at=-5), "out-of-range", "outside 1970"),
         (event(10, 1, occurred_at={"t": 1}), "wrong-type", "is not a time"),
@@ -96,6 +100,19 @@ def test_aggregates_overflowing_their_dtype_are_stored_as_missing() -> None:
     assert vector["spend_today"] is None
     assert vector["purchases_today"] == 4
     encodable(USER, state)
+
+
+def test_an_aggregate_declared_float64_takes_what_float32_would_refuse() -> None:
+    user = next(e for e in SETTINGS.entities if e.name == "user")
+    wide = [
+        a.model_copy(update={"dtype": "float64"}) if a.column == "price" else a
+        for a in user.aggregates
+    ]
+    engine = FeatureEngine([user.model_copy(update={"aggregates": wide})]).engine("user")
+    state, changed = engine.apply(None, event(10, 1, kind="purchase", price=1e300))
+    assert changed
+    assert engine.vector(state)["spend_today"] == 1e300
+    encodable(engine, state)
 
 
 @pytest.mark.parametrize(
