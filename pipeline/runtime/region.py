@@ -220,17 +220,31 @@ class RegionRuntime:
     def recovered(self, states: Mapping[str, EntityState]) -> None:
         """The working states after a (re)assignment, rebuilt from the changelog.
 
-        The schedules of their cached vectors are unknown here (written before the
-        restart): every entity with windows is renewed now, a slice per duty.
+        Each entity record keeps the revision of the state whose vector the cache
+        holds (``wrev``) and when that vector's schedule runs out (``until``). An
+        entity whose recovered state is that one is renewed at its ``until``, as a
+        running worker would, not rewritten now. Written now: entities whose state
+        went ahead of the cache (a checkpoint stores the state as it stands, and
+        changes of a batch or lane not yet written may be in it: replayed, they are
+        no-ops, so nothing else would write them), whose record lacks the two
+        fields, or that were written under another feature-set version. Whether the
+        cache lost its data while the worker was down is checked at once (a lost
+        cache is refilled whole).
         """
         self.live.clear()
         self.live.update(states)
         self._renew_at.clear()
         now_us = self._now_us()
-        for key in self.live:
-            if self.engine.engine(key.split(":", 1)[0]).slots:
+        for key, state in self.live.items():
+            engine = self.engine.engine(key.split(":", 1)[0])
+            until = state.get("until")
+            if state.get("wrev") != state.get("rev") or state.get("v") != engine.schema.version:
                 self._renew_at[key] = now_us
-        self._renewals = [(now_us, key) for key in self._renew_at]
+            elif isinstance(until, int):
+                self._renew_at[key] = max(now_us, until)
+        self._renewals = [(until, key) for key, until in self._renew_at.items()]
+        heapq.heapify(self._renewals)
+        self._next_intact_check = self.clock()
         self._wake.set()
 
     # -- messages ------------------------------------------------------------------------------
@@ -521,6 +535,12 @@ class RegionRuntime:
         for op, key in zip(ops, keys, strict=True):
             schedule = op.schedule if isinstance(op, Upsert) else None
             until = schedule.until_us if schedule is not None else None
+            state = self.live.get(key)
+            if state is not None:
+                # Kept in the entity record: after a restart, a vector the cache holds
+                # is renewed when its schedule runs out, not rewritten at once.
+                state["wrev"] = op.position.seq  # the revision this vector is of
+                state["until"] = until  # None: its schedule never runs out
             if until is None:
                 self._renew_at.pop(key, None)
                 continue
@@ -564,6 +584,9 @@ class RegionRuntime:
 
     def _quarantine(self, key: str, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
+        state = self.live.get(key)
+        if state is not None:
+            state.pop("wrev", None)  # its vector is not in the cache: written after a restart
         if key not in self.quarantined:
             log.error("region %s: entity %s quarantined: %s", self.region, key, reason)
         self.quarantined[key] = reason[:500]
