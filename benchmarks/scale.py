@@ -1,6 +1,7 @@
 """Benchmark of a regional worker's state against the number of entities (issue 36).
 
-For each size, in a process of its own (so that its resident memory is its own):
+For each size, in a process of its own (so that its resident memory is its own)
+and with the worker's garbage-collector tuning (pipeline.gctune, once a second):
 users with ``--events`` events each over the last day (every event two regional
 changes: its user's and its item's; one item per 10 users), interleaved in time
 as a stream is, applied through the regional worker's runtime
@@ -56,6 +57,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from edge_cache import Delete, Upsert  # noqa: E402
 from edgefeed.settings import load_settings  # noqa: E402
 from pipeline.features import EntityState, FeatureEngine  # noqa: E402
+from pipeline.gctune import GcTuner  # noqa: E402
 from pipeline.messages import RegionalChange, encode_packs  # noqa: E402
 from pipeline.metrics import PipelineMetrics  # noqa: E402
 from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime  # noqa: E402
@@ -221,6 +223,10 @@ async def load(users: int, events: int, seed: int) -> dict[str, Any]:
     base = rss_mb()  # the interpreter, the libraries, an empty worker
     offsets = dict.fromkeys(range(PARTITIONS), 0)
     applied_s = 0.0
+    # The worker's collector tuning (pipeline.gctune), once per second of its clock,
+    # as the region app's housekeeping task runs it.
+    tuner = GcTuner()
+    next_tune = clock.now + 1.0
     for partition, packs in messages(users, events, int(now_s * 1000), seed):
         for body in packs:
             offsets[partition] += 1
@@ -229,6 +235,9 @@ async def load(users: int, events: int, seed: int) -> dict[str, Any]:
             await runtime.on_message(delivery, body)
             clock.now += MESSAGE_S
             await runtime.tick()
+            if clock.now >= next_tune:
+                tuner.tick()
+                next_tune = clock.now + 1.0
             task = runtime._checkpoint_task
             if task is not None and not task.done():
                 await task
