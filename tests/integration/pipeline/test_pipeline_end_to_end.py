@@ -22,7 +22,7 @@ from edge_cache.layout import header_times
 from edgefeed.lookup import feature_client
 from edgefeed.verify import verify
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
 
 # Event times are explicit, minutes before each test's start: windows are read as of
 # the read time, so the values a test expects hold for as long as no event it placed
