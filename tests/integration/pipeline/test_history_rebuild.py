@@ -45,7 +45,10 @@ EVENTS_PER_USER = 150
 
 @pytest.fixture
 def run(
-    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path: Path
+    devstack: DevStack,
+    stack_mapping: dict[str, Any],
+    tmp_path: Path,
+    region_redis: dict[str, redis.Redis],  # flushed before the pipeline starts, not after
 ) -> Iterator[tuple[PipelineRun, dict[str, Any]]]:
     tag = unique_name("hist").lower()
     schema = f"s_{tag}"

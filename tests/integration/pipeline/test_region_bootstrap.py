@@ -57,7 +57,10 @@ def poll(what: str, check: Any, timeout_s: float = 300) -> None:
 
 @pytest.fixture
 def bootstrap_run(
-    devstack: DevStack, stack_mapping: dict[str, Any], tmp_path: Path
+    devstack: DevStack,
+    stack_mapping: dict[str, Any],
+    tmp_path: Path,
+    region_redis: dict[str, redis.Redis],  # flushed before the pipeline starts, not after
 ) -> Iterator[tuple[PipelineRun, dict[str, Any]]]:
     tag = unique_name("rb").lower()
     schema = f"s_{tag}"
