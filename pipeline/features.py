@@ -73,8 +73,8 @@ _INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _MAGNITUDE = {
     "float32": _F32_MAX,
     "float64": math.inf,
-    "int32": float(2**31 - 1),
-    "int64": float(2**63 - 1),
+    "int32": float(_INT_RANGE["int32"][1]),
+    "int64": float(_INT_RANGE["int64"][1]),
     "bool": math.inf,
 }
 _NON_FINITE_TEXT = frozenset(

@@ -141,8 +141,15 @@ class SnapshotLane:
     def superseded(self, keys: Iterable[str]) -> None:
         """These entities are written with newer states: the lane drops them (their
         messages stay held until the lane is taken)."""
+        if not self.touched:  # the common case, every flush of a streaming worker
+            return
         for key in keys:
             self.touched.pop(key, None)
+
+    def due(self, now: float) -> bool:
+        """True once the lane's vectors should be written."""
+        due_at = self.due_at()
+        return due_at is not None and now >= due_at
 
     def due_at(self) -> float | None:
         """When the lane falls due (None: it holds nothing)."""

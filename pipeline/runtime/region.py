@@ -363,7 +363,7 @@ class RegionRuntime:
         checkpoint once the interval has passed, and now and then check that the cache
         still holds what was written."""
         now = self.clock()
-        if self.batch.due(now) or self._checkpoint_due(now) or self._lane_due(now):
+        if self.batch.due(now) or self._checkpoint_due(now) or self.lane.due(now):
             await self.flush()
         if self._renewals and self._renewals[0][0] <= self._now_us():
             await self.renew()
@@ -394,10 +394,6 @@ class RegionRuntime:
 
     def _checkpoint_due(self, now: float) -> bool:
         return self.ledger.due(now) and not self._checkpoint_pending()
-
-    def _lane_due(self, now: float) -> bool:
-        due_at = self.lane.due_at()
-        return due_at is not None and now >= due_at
 
     async def wait_for_duty(self) -> None:
         """Sleep until :meth:`tick` has something to do, or a message or a flush changed
@@ -456,7 +452,7 @@ class RegionRuntime:
                 self._batch_sizes.observe(closed.changes)
                 self._batch_seconds.observe(elapsed)
                 self._wake.set()  # messages await a checkpoint: its due time changed
-            if lane or self._lane_due(self.clock()):
+            if lane or self.lane.due(self.clock()):
                 touched, deliveries = self.lane.take()
                 if deliveries:
                     await self._write_touched(touched, deliveries)
