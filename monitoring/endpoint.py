@@ -1,4 +1,5 @@
-"""The exporter's HTTP endpoint: loopback by default, optional bearer token and TLS.
+"""The metrics endpoint of the exporter and the pipeline's processes: loopback by
+default, optional bearer token and TLS, and optional probe paths.
 
 prometheus_client's ``start_http_server`` can do TLS but not authentication, and
 it runs the TLS handshake in its accept loop, so one client that opens a
@@ -6,6 +7,12 @@ connection and never finishes the handshake stalls every scrape. Here the
 standard library's threading WSGI server serves prometheus_client's WSGI app
 behind a token check; the handshake runs in the connection's own thread (which
 times out), never in the accept loop.
+
+Probe paths (``/healthz``, ``/readyz`` for the kubelet) answer without the token,
+by design: a kubelet ``httpGet`` probe can send a header only by writing its value
+into the pod manifest, which would put the secret where anyone who can read the
+manifest sees it. A probe says only whether the process is alive or ready, with a
+short reason; the metrics stay behind the token.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import os
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from socketserver import ThreadingMixIn
@@ -30,7 +37,7 @@ from prometheus_client.registry import CollectorRegistry
 from edgefeed_base.tokens import token_problem
 from monitoring.exceptions import MonitoringConfigError
 
-__all__ = ["EndpointSecurity", "is_loopback", "start_endpoint"]
+__all__ = ["EndpointSecurity", "Probe", "is_loopback", "start_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,10 @@ CONNECTION_TIMEOUT_S = 10.0
 
 _StartResponse = Callable[..., Any]
 _WsgiApp = Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]
+
+#: A probe: () -> (ok, reason). Called in the endpoint's thread, so it must be
+#: thread-safe and quick (it reads state the process keeps, never does I/O).
+Probe = Callable[[], tuple[bool, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +74,14 @@ class EndpointSecurity:
         token_env: str | None = None,
         certfile: Path | None = None,
         keyfile: Path | None = None,
+        flag_prefix: str = "--",
     ) -> EndpointSecurity:
         """Read the token from a file or a named environment variable; check the TLS pair.
+
+        Args:
+            flag_prefix: How the command names these options, for the messages:
+                ``--`` (``--token-file``, ``--tls-cert``: the exporter), or
+                ``--metrics-`` (``--metrics-token-file``: ``pipeline run``).
 
         Raises:
             MonitoringConfigError: both or an empty token source, a missing or
@@ -72,7 +89,9 @@ class EndpointSecurity:
                 certificate without its key (or the reverse).
         """
         if token_file is not None and token_env is not None:
-            raise MonitoringConfigError("give the token by --token-file or --token-env, not both")
+            raise MonitoringConfigError(
+                f"give the token by {flag_prefix}token-file or {flag_prefix}token-env, not both"
+            )
         token: str | None = None
         if token_file is not None:
             try:
@@ -81,7 +100,7 @@ class EndpointSecurity:
                 reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
                 raise MonitoringConfigError(
                     f"cannot read the token file {token_file} ({reason}); "
-                    "point --token-file at a readable file holding the token"
+                    f"point {flag_prefix}token-file at a readable file holding the token"
                 ) from None
             where = f"token file {token_file}"
         elif token_env is not None:
@@ -95,7 +114,8 @@ class EndpointSecurity:
                 raise MonitoringConfigError(problem)
         if (certfile is None) != (keyfile is None):
             raise MonitoringConfigError(
-                "TLS needs both --tls-cert and --tls-key (or neither for plain HTTP)"
+                f"TLS needs both {flag_prefix}tls-cert and {flag_prefix}tls-key "
+                "(or neither for plain HTTP)"
             )
         return cls(token=token, certfile=certfile, keyfile=keyfile)
 
@@ -188,14 +208,54 @@ def _server_class(host: str, context: ssl.SSLContext | None) -> type[WSGIServer]
     return Server
 
 
+def _with_probes(app: _WsgiApp, probes: Mapping[str, Probe]) -> _WsgiApp:
+    """Answer the probe paths (no token: see the module docstring), the rest with ``app``."""
+
+    def routed(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        probe = probes.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return app(environ, start_response)
+        try:
+            ok, reason = probe()
+        except Exception as exc:  # a bug in the probe: not ready, never a traceback page
+            log.exception("probe %s failed", environ.get("PATH_INFO"))
+            ok, reason = False, f"probe failed: {type(exc).__name__}"
+        body = f"{reason}\n".encode("utf-8", "replace")
+        start_response(
+            "200 OK" if ok else "503 Service Unavailable",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("Content-Length", str(len(body))),
+                ("Cache-Control", "no-store"),
+            ],
+        )
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+
+    return routed
+
+
 def start_endpoint(
     registry: CollectorRegistry,
     *,
     host: str,
     port: int,
     security: EndpointSecurity,
+    probes: Mapping[str, Probe] | None = None,
+    flag_prefix: str = "--",
 ) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``registry`` on ``/metrics`` (and ``/``) from a daemon thread.
+
+    Args:
+        registry: What ``/metrics`` serves (behind the token when ``security`` has one).
+        host: Address to listen on.
+        port: TCP port (0: any free one; the bound one is ``server.server_address[1]``).
+        security: Bearer token and TLS.
+        probes: Path (``/healthz``, ``/readyz``) -> a probe: ``200`` with its reason
+            when it says ok, ``503`` with its reason when not, as ``text/plain``.
+            Unauthenticated whatever ``security`` says (module docstring); over TLS
+            when the endpoint speaks TLS.
+        flag_prefix: How the command names ``host`` and ``port``, for the messages
+            (``--`` or ``--metrics-``).
 
     Raises:
         MonitoringConfigError: the address cannot be bound, or the TLS files are bad.
@@ -204,12 +264,15 @@ def start_endpoint(
     app: _WsgiApp = make_wsgi_app(registry)
     if security.token is not None:
         app = _require_token(app, security.token)
+    if probes:
+        app = _with_probes(app, dict(probes))
     try:
         server = make_server(host, port, app, _server_class(host, context), _Handler)
     except OSError as exc:
         raise MonitoringConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --host/--port"
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
+            f"pick another {flag_prefix}host/{flag_prefix}port"
         ) from None
-    thread = threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return server, thread
