@@ -37,6 +37,7 @@ from pipeline.faustcompat import (
     PartitionWriter,
     StuckHeads,
     fence_recovery,
+    partition_offsets,
     patch_fetch_wait,
     patch_recovery_handover,
     patch_seek_every_partition,
@@ -61,6 +62,7 @@ from pipeline.homes import HomeBook
 from pipeline.messages import encode_packs
 from pipeline.metrics import PipelineMetrics
 from pipeline.names import HOMES_TABLE, STATE_TABLE
+from pipeline.probes import Readiness, RegionReadiness, partition_marks
 from pipeline.routing import Router
 from pipeline.runtime import BatchPolicy, Delivery, QuietBatches, RegionRuntime
 from pipeline.statestore import (
@@ -258,11 +260,14 @@ def build_router_app(
     config: PipelineConfig,
     metrics: PipelineMetrics | None = None,
     history: HistorySource | None = None,
+    readiness: Readiness | None = None,
 ) -> faust.App:
     """The router: Debezium topics in, per-region change topics out (data residency).
 
     With ``history``, the router also checks at start that the stream's history
-    covers the windows, and rebuilds what it lacks (pipeline.history)."""
+    covers the windows, and rebuilds what it lacks (pipeline.history). With
+    ``readiness``, the router says when it is ready (pipeline.probes): once the
+    table of homes is recovered after an assignment, not during a rebalance."""
     names = config.names
     app_id = names.router_group
     app = faust_app(app_id, config)
@@ -454,6 +459,19 @@ def build_router_app(
             log.exception("the router's agent failed; stopping the worker")
             await app.crash(exc)
             raise
+
+    if readiness is not None:
+        fed = set(config.fed_topics())
+
+        @homes.on_recover
+        async def homes_recovered() -> None:
+            """Routing may start: the homes are known and the source partitions ours."""
+            count = sum(1 for tp in app.assignor.assigned_actives() if tp.topic in fed)
+            readiness.set(True, f"ready: {count} source partitions assigned")
+
+        @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
+        async def router_rebalancing(sender: Any, *args: Any, **kwargs: Any) -> None:
+            readiness.set(False, "recovering partitions (rebalance)")
 
     @app.task  # type: ignore[untyped-decorator]
     async def close_quiet_batches() -> None:
@@ -659,9 +677,15 @@ class _FaustAcker:
 
 
 def build_region_app(
-    config: PipelineConfig, region_name: str, metrics: PipelineMetrics | None = None
+    config: PipelineConfig,
+    region_name: str,
+    metrics: PipelineMetrics | None = None,
+    readiness: RegionReadiness | None = None,
 ) -> faust.App:
-    """One region's feature app: its change topic in, feature vectors into its Redis."""
+    """One region's feature app: its change topic in, feature vectors into its Redis.
+
+    With ``readiness``, the worker reports its recoveries and, every second, where
+    its partitions stand (pipeline.probes)."""
     region = config.region(region_name)
     names = config.names
     app_id = names.region_group(region_name)
@@ -719,6 +743,8 @@ def build_region_app(
         changelog.fence.keep(ours)  # Faust's memory store dropped the others' records
         await changelog.own(sorted(ours))
         log.info("recovered %d entity states for partitions %s", len(runtime.live), sorted(ours))
+        if readiness is not None:
+            readiness.recovered(ours)
 
     @app.agent(changes, name="features")
     async def features(stream: Any) -> None:
@@ -759,8 +785,18 @@ def build_region_app(
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
     async def checkpoint_at_rebalance(sender: Any, *args: Any, **kwargs: Any) -> None:
+        if readiness is not None:
+            readiness.rebalancing()
         if acker.stream is not None:
             await runtime.on_revoke()
+
+    if readiness is not None:
+        topic_name = changes.get_topic_name()
+
+        @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
+        async def report_progress() -> None:
+            offsets = partition_offsets(app, topic_name)
+            readiness.observe(partition_marks(offsets, runtime.progress))
 
     app.edgefeed_runtime = runtime  # type: ignore[attr-defined]  # for tests and debugging
     return app

@@ -25,6 +25,7 @@ __all__ = [
     "PartitionWriter",
     "StuckHeads",
     "fence_recovery",
+    "partition_offsets",
     "patch_fetch_wait",
     "patch_recovery_handover",
     "patch_seek_every_partition",
@@ -367,6 +368,36 @@ def head_missing(consumer: Any, tp: Any) -> bool:
         return False
     gaps = consumer._gap.get(tp)
     return not (gaps and gaps.overlaps(committed))
+
+
+def partition_offsets(app: faust.App, topic: str) -> dict[int, tuple[int | None, int | None]]:
+    """Per partition of ``topic`` assigned to ``app``'s consumer: (committed offset,
+    highwater), each None when unknown; empty before the consumer started.
+
+    Faust 0.15.3 has no public reading of the committed offsets: its consumer keeps
+    them in ``Consumer._committed_offset`` (the next offset to read; None when
+    unknown or 0), as :func:`head_missing` reads them. The highwater is Faust's
+    public ``Consumer.highwater`` (aiokafka's: the log end offset of the last fetch
+    response; None before the first), read from the consumer's own thread's state
+    without a request, as Faust's own monitor does.
+    """
+    consumer = getattr(app, "_consumer", None)
+    if consumer is None:
+        return {}
+    try:
+        assignment = consumer.assignment()
+    except Exception:  # ConsumerNotStarted, or a consumer stopping
+        return {}
+    found: dict[int, tuple[int | None, int | None]] = {}
+    for tp in assignment:
+        if str(tp.topic) != topic:
+            continue
+        try:
+            highwater = consumer.highwater(tp)
+        except Exception:  # unassigned meanwhile (a rebalance)
+            highwater = None
+        found[tp.partition] = (consumer._committed_offset.get(tp), highwater)
+    return found
 
 
 def patch_strict_commits(topics: Iterable[str] = ()) -> None:

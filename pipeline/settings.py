@@ -355,6 +355,10 @@ class PipelineSettings(BaseModel):
             collection; in between, long-lived objects are frozen out of the
             collector's sight (see pipeline.gctune): full collections of a big
             state paused a worker for hundreds of milliseconds.
+        ready_max_behind_s: How far behind its change topic a regional worker may
+            be and still answer ``/readyz`` with 200 (``pipeline run
+            --metrics-port``; pipeline.probes). A worker with nothing waiting is
+            ready however old its last change (an idle region).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -371,6 +375,7 @@ class PipelineSettings(BaseModel):
     commit_interval_s: float = Field(default=1.0, gt=0)
     checkpoint_interval_s: float = Field(default=1.0, gt=0, le=60)
     gc_full_interval_s: float = Field(default=600.0, ge=10)
+    ready_max_behind_s: float = Field(default=30.0, gt=0)
     rebuild: Literal["auto", "off"] = "auto"
 
     @property

@@ -214,6 +214,10 @@ class RegionRuntime:
         self._renewals: list[tuple[int, str]] = []
         self._renewed = metrics.renewals.labels(region)
         self._renewal_lag = metrics.renewal_lag.labels(region)
+        # Partition -> (the offset after the newest message taken, the source commit
+        # time in ms of the newest change in it; 0: none yet) since the last recovery:
+        # what the readiness probe compares with the log's end (pipeline.probes).
+        self.progress: dict[int, tuple[int, int]] = {}
 
     # -- recovery ------------------------------------------------------------------------------
 
@@ -233,6 +237,7 @@ class RegionRuntime:
         """
         self.live.clear()
         self.live.update(states)
+        self.progress.clear()
         self._renew_at.clear()
         now_us = self._now_us()
         for key, state in self.live.items():
@@ -262,9 +267,12 @@ class RegionRuntime:
             entries, is_pack = [], False
         else:
             self.batch.add(delivery, len(entries), self.clock())
+        _, newest_ms = self.progress.get(delivery.partition, (0, 0))
         for index, entry in enumerate(entries):
             try:
                 change = RegionalChange.from_wire(entry)
+                if change.commit_ms > newest_ms:
+                    newest_ms = change.commit_ms
                 if change.op == "h":
                     await self._history_marker(change, delivery)
                     continue
@@ -279,6 +287,7 @@ class RegionRuntime:
                 await self._dead_letter(
                     delivery, _encode_entry(entry), exc, index if is_pack else None
                 )
+        self.progress[delivery.partition] = (delivery.offset + 1, newest_ms)
         if self.batch.due(self.clock()):
             await self.flush()
 

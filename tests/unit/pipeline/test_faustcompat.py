@@ -15,6 +15,7 @@ from intervaltree import IntervalTree
 from pipeline.faustcompat import (
     StuckHeads,
     head_missing,
+    partition_offsets,
     patch_recovery_handover,
     patch_seek_every_partition,
     patch_strict_commits,
@@ -201,3 +202,24 @@ async def test_no_stream_message_is_delivered_while_a_recovery_ends() -> None:
         klass._edgefeed_original_on_recovery_completed = saved
     assert seen == [False]
     assert flow.stops == 1 and flow.active
+
+
+def test_partition_offsets_read_the_committed_offsets_and_highwaters_of_one_topic() -> None:
+    other, changelog = TP(TOPIC.topic, 1), TP("ef-region-eu-west-states-changelog", 0)
+    kafka_highwater = {TOPIC: 12, changelog: 99}  # partition 1: not fetched yet
+
+    def highwater(tp: TP) -> int | None:
+        return kafka_highwater.get(tp)
+
+    state = consumer(10, [])
+    state.assignment = lambda: {TOPIC, other, changelog}
+    state.highwater = highwater
+    app: Any = SimpleNamespace(_consumer=state)
+    assert partition_offsets(app, TOPIC.topic) == {0: (10, 12), 1: (None, None)}
+    assert partition_offsets(SimpleNamespace(_consumer=None), TOPIC.topic) == {}  # type: ignore[arg-type]
+
+    def not_started() -> set[TP]:
+        raise RuntimeError("ConsumerNotStarted")
+
+    state.assignment = not_started
+    assert partition_offsets(app, TOPIC.topic) == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -886,3 +887,16 @@ async def test_a_malformed_rebuild_marker_is_dead_lettered(row: Any) -> None:
     await runtime.on_message(Delivery(0, 1), pack(bad))
     assert cache.rebuilds == {}
     assert [(offset, reason) for offset, _i, reason, _v in dead.sent] == [(1, "undecodable")]
+
+
+async def test_progress_says_what_was_taken_per_partition_for_the_readiness_probe() -> None:
+    runtime, *_ = make_runtime(partition_of=lambda key: int(key.endswith("8")))
+    later = replace(view(2, 7, 11), commit_ms=T0 + 5000)
+    await runtime.on_message(Delivery(0, 40), pack(later, view(1, 7, 10)))
+    await runtime.on_message(Delivery(1, 3), pack(view(3, 8, 12)))
+    # The offset after each partition's newest message, and its newest commit time.
+    assert runtime.progress == {0: (41, T0 + 5000), 1: (4, T0)}
+    await runtime.on_message(Delivery(0, 41), b"not a pack")  # dead-lettered: still taken
+    assert runtime.progress[0] == (42, T0 + 5000)
+    runtime.recovered({})
+    assert runtime.progress == {}  # a new assignment: nothing taken yet
