@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -19,6 +21,7 @@ from edgefeed.cli._common import (
 
 if TYPE_CHECKING:
     from edgefeed.settings import EdgefeedSettings
+    from monitoring.endpoint import EndpointSecurity
     from pipeline.app import HistorySource
 
 __all__ = ["register"]
@@ -37,7 +40,32 @@ def run(
     ] = None,
     region: Annotated[str | None, typer.Option(help="Run this region's feature worker.")] = None,
     metrics_port: Annotated[
-        int | None, typer.Option(help="Serve Prometheus metrics on this port.")
+        int | None,
+        typer.Option(
+            help="Serve Prometheus metrics (/metrics) and the probes /healthz and /readyz "
+            "on this port (0: any free one)."
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address of --metrics-port (0.0.0.0 or the pod's IP for Prometheus and "
+            "the kubelet in Kubernetes).",
+            show_default="127.0.0.1",
+        ),
+    ] = None,
+    metrics_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the bearer token /metrics requires (the probes need none)."
+        ),
+    ] = None,
+    metrics_tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="PEM certificate chain: serve --metrics-port over HTTPS only."),
+    ] = None,
+    metrics_tls_key: Annotated[
+        Path | None, typer.Option(help="PEM private key of --metrics-tls-cert.")
     ] = None,
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
     from_beginning: Annotated[
@@ -49,12 +77,20 @@ def run(
         ),
     ] = False,
 ) -> None:
-    """Start a worker: `--role router`, `--region NAME`, or `--role forwarder --region NAME`."""
+    """Start a worker: `--role router`, `--region NAME`, or `--role forwarder --region NAME`.
+
+    With `--metrics-port`: Prometheus metrics on /metrics (behind the token of
+    `--metrics-token-file`), and, without a token, /healthz (200 while the
+    process runs) and /readyz (200 when ready, else 503 with the reason).
+    """
+    endpoint = _endpoint_options(
+        metrics_port, metrics_host, metrics_token_file, metrics_tls_cert, metrics_tls_key
+    )
     if role == "forwarder":
         if region is None:
             err_console.print("error: --role forwarder needs --region NAME")
             raise typer.Exit(EXIT_USAGE)
-        _run_forwarder(ctx, region, loglevel, from_beginning)
+        _run_forwarder(ctx, region, loglevel, from_beginning, endpoint)
         return
     if from_beginning:
         err_console.print("error: --from-beginning is for --role forwarder only")
@@ -73,9 +109,28 @@ def run(
     config = run_reported(lambda: pipeline_config(settings, region=region))
 
     import faust  # heavy: only when a worker starts
+    from prometheus_client import REGISTRY
 
     from pipeline.app import build_region_app, build_router_app
+    from pipeline.metrics import PipelineMetrics
+    from pipeline.probes import Readiness, RegionReadiness
     from pipeline.topics import ensure_topics
+
+    # The composition root owns the registry: the one its metrics endpoint serves.
+    metrics = PipelineMetrics.create(REGISTRY)
+    # Readiness is followed only when a probe can ask for it.
+    router_ready: Readiness | None = None
+    region_ready: RegionReadiness | None = None
+    if endpoint is not None:
+        if role == "router":
+            router_ready = Readiness("starting: creating topics, then joining the group")
+            probe = router_ready.check
+        else:
+            region_ready = RegionReadiness(settings.pipeline.ready_max_behind_s)
+            probe = region_ready.check
+        # Up before the topics are checked (that waits for the broker): the kubelet's
+        # liveness probe gets its answer while the worker starts.
+        _serve(endpoint, probe)
 
     names = settings.pipeline.names
     if role == "router":
@@ -104,21 +159,105 @@ def run(
             client_options=settings.kafka.security.aiokafka_options(),
         )
     )
-    from prometheus_client import REGISTRY, start_http_server
-
-    from pipeline.metrics import PipelineMetrics
-
-    # The composition root owns the registry: the one its metrics endpoint serves.
-    metrics = PipelineMetrics.create(REGISTRY)
-    if metrics_port is not None:
-        start_http_server(metrics_port, addr="127.0.0.1", registry=REGISTRY)
     app = (
-        build_router_app(config, metrics, _history_source(settings))
+        build_router_app(config, metrics, _history_source(settings), router_ready)
         if role == "router"
-        else build_region_app(config, region or "", metrics)
+        else build_region_app(config, region or "", metrics, region_ready)
     )
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
+
+
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    """Where and how ``--metrics-port`` serves (checked before anything starts)."""
+
+    host: str
+    port: int
+    security: EndpointSecurity
+
+
+def _endpoint_options(
+    port: int | None,
+    host: str | None,
+    token_file: Path | None,
+    certfile: Path | None,
+    keyfile: Path | None,
+) -> _Endpoint | None:
+    """The ``--metrics-*`` options, checked at once: a bad one exits 2 naming it.
+
+    A non-loopback address without a token is allowed with a warning, as for
+    ``edgefeed exporter`` (a pod's metrics are often scraped over the pod network
+    without one); the token file's content is never shown.
+    """
+    given = [
+        name
+        for name, value in (
+            ("--metrics-host", host),
+            ("--metrics-token-file", token_file),
+            ("--metrics-tls-cert", certfile),
+            ("--metrics-tls-key", keyfile),
+        )
+        if value is not None
+    ]
+    if port is None:
+        if given:
+            err_console.print(
+                f"error: {', '.join(given)} configure the metrics endpoint: "
+                "give --metrics-port PORT too"
+            )
+            raise typer.Exit(EXIT_USAGE)
+        return None
+    if not 0 <= port <= 65535:
+        err_console.print(f"error: --metrics-port {port} is not a port: give 0..65535")
+        raise typer.Exit(EXIT_USAGE)
+    from monitoring.endpoint import EndpointSecurity, is_loopback
+
+    security = run_reported(
+        lambda: EndpointSecurity.load(
+            token_file=token_file, certfile=certfile, keyfile=keyfile, flag_prefix="--metrics-"
+        )
+    )
+    run_reported(security.ssl_context)  # a bad certificate fails now, not after the topics
+    host = host or "127.0.0.1"
+    if not is_loopback(host) and security.token is None:
+        err_console.print(
+            f"warning: the metrics endpoint listens on {host} without a bearer token: "
+            "anyone who can reach it can read the metrics (give --metrics-token-file, "
+            "or keep --metrics-host 127.0.0.1 behind a proxy)",
+            highlight=False,
+        )
+    return _Endpoint(host, port, security)
+
+
+def _alive() -> tuple[bool, str]:
+    # Answered by the endpoint's own thread: the process is up, whatever its loop does.
+    return True, "alive"
+
+
+def _serve(endpoint: _Endpoint, ready: Callable[[], tuple[bool, str]]) -> None:
+    """Start the metrics endpoint with the probes (a daemon thread, for the process's life)."""
+    from prometheus_client import REGISTRY
+
+    from monitoring.endpoint import start_endpoint
+
+    server, _thread = run_reported(
+        lambda: start_endpoint(
+            REGISTRY,
+            host=endpoint.host,
+            port=endpoint.port,
+            security=endpoint.security,
+            probes={"/healthz": _alive, "/readyz": ready},
+            flag_prefix="--metrics-",
+        )
+    )
+    scheme = "https" if endpoint.security.tls else "http"
+    auth = " (bearer token required)" if endpoint.security.token is not None else ""
+    console.print(
+        f"serving metrics on {scheme}://{endpoint.host}:{server.server_address[1]}/metrics"
+        f"{auth}; probes /healthz, /readyz",
+        highlight=False,
+    )
 
 
 def _history_source(settings: EdgefeedSettings) -> HistorySource:
@@ -153,12 +292,19 @@ def _history_source(settings: EdgefeedSettings) -> HistorySource:
 FORWARDER_READY = "forwarder ready"
 
 
-def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginning: bool) -> None:
+def _run_forwarder(
+    ctx: typer.Context,
+    region: str,
+    loglevel: str,
+    from_beginning: bool,
+    endpoint: _Endpoint | None = None,
+) -> None:
     import logging
     import signal
 
     from edgefeed.settings import SettingsError
     from pipeline.forward import Forwarder, ForwardSpec
+    from pipeline.probes import Readiness
     from pipeline.topics import ensure_topics
 
     settings = settings_of(ctx)
@@ -198,6 +344,9 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
         )
     )
     log = logging.getLogger("edgefeed.forward")
+    readiness = Readiness("starting: creating topics, then connecting to both brokers")
+    if endpoint is not None:
+        _serve(endpoint, readiness.check)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -214,6 +363,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
         task = asyncio.create_task(forwarder.run(ready=ready))
         await ready.wait()
         log.info("%s: region %s, %s", FORWARDER_READY, region, ", ".join(target))
+        readiness.set(True, f"ready: forwarding region {region}")
         while not task.done():
             await asyncio.wait([task], timeout=10)
             stats = forwarder.stats
@@ -227,6 +377,7 @@ def _run_forwarder(ctx: typer.Context, region: str, loglevel: str, from_beginnin
                 stats.retries,
                 timings or "none",
             )
+        readiness.set(False, "stopping")
         await task
 
     asyncio.run(main())
