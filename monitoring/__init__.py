@@ -29,6 +29,7 @@ from monitoring.monitor import (
     SourceTarget,
     region_group,
 )
+from monitoring.scope import Scope
 from monitoring.status import Observation, OffsetHistory, evaluate_partition
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "RegionTarget",
     "Report",
     "ReportCollector",
+    "Scope",
     "SlotReport",
     "SourceTarget",
     "SourceUnavailableError",

@@ -26,6 +26,7 @@ from monitoring.endpoint import EndpointSecurity, is_loopback, start_endpoint
 from monitoring.exceptions import MonitoringConfigError
 from monitoring.model import Report
 from monitoring.monitor import Monitor
+from monitoring.scope import ALL, Scope
 from monitoring.status import STATUS_CODES
 
 __all__ = ["METRIC_NAMES", "ReportCollector", "make_registry", "serve"]
@@ -94,14 +95,24 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 
 
 class ReportCollector(Collector):
-    """Renders the latest :class:`Report` (set by the collection loop) on each scrape."""
+    """Renders the latest :class:`Report` (set by the collection loop) on each scrape.
 
-    def __init__(self, freshness_budget_s: float, slot_wal_bound_bytes: int) -> None:
+    With a ``scope`` other than ``all`` it emits only what that scope owns
+    (monitoring.scope), plus what describes the exporter itself (its severity,
+    collection time and duration, whether it could read Kafka, the budget it
+    judges regions by), so that the series of a central exporter and of every
+    region's exporter add up to one ``all`` exporter's.
+    """
+
+    def __init__(
+        self, freshness_budget_s: float, slot_wal_bound_bytes: int, scope: Scope = ALL
+    ) -> None:
         self._lock = threading.Lock()
         self._report: Report | None = None
         self._duration = 0.0
         self._budget = freshness_budget_s
         self._bound = slot_wal_bound_bytes
+        self._scope = scope
 
     def update(self, report: Report, duration_s: float) -> None:
         with self._lock:
@@ -110,14 +121,17 @@ class ReportCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             report, duration = self._report, self._duration
-        budget = _gauge("edgefeed_freshness_budget_seconds", "Freshness budget per region.", [])
-        budget.add_metric([], self._budget)
-        yield budget
-        bound = _gauge(
-            "edgefeed_replication_slot_wal_bound_bytes", "Retained WAL bound per slot.", []
-        )
-        bound.add_metric([], float(self._bound))
-        yield bound
+        central = self._scope.central
+        if self._scope.judges_regions:
+            budget = _gauge("edgefeed_freshness_budget_seconds", "Freshness budget per region.", [])
+            budget.add_metric([], self._budget)
+            yield budget
+        if central:
+            bound = _gauge(
+                "edgefeed_replication_slot_wal_bound_bytes", "Retained WAL bound per slot.", []
+            )
+            bound.add_metric([], float(self._bound))
+            yield bound
         if report is None:
             return
         yield from self._kafka(report)
@@ -130,8 +144,9 @@ class ReportCollector(Collector):
         up.add_metric(["kafka"], 0.0 if report.kafka.error else 1.0)
         for region in report.regions:
             up.add_metric([f"redis:{region.region}"], 0.0 if region.state == "DOWN" else 1.0)
-        up.add_metric(["postgres"], 0.0 if report.cdc_error else 1.0)
-        up.add_metric(["connect"], 0.0 if report.connect_error else 1.0)
+        if central:  # a region's exporter never reads them: not reported, not down
+            up.add_metric(["postgres"], 0.0 if report.cdc_error else 1.0)
+            up.add_metric(["connect"], 0.0 if report.connect_error else 1.0)
         if report.links or report.links_error:
             up.add_metric(["wan"], 0.0 if report.links_error else 1.0)
         yield up
@@ -151,9 +166,10 @@ class ReportCollector(Collector):
 
     def _kafka(self, report: Report) -> Iterator[Metric]:
         kafka = report.kafka
-        brokers = _gauge("kafka_brokers", "Number of brokers in the cluster.", [])
-        brokers.add_metric([], kafka.brokers)
-        yield brokers
+        if self._scope.central:  # the cluster's, not a region's
+            brokers = _gauge("kafka_brokers", "Number of brokers in the cluster.", [])
+            brokers.add_metric([], kafka.brokers)
+            yield brokers
         partitions = _gauge("kafka_topic_partitions", "Number of partitions of a topic.", ["topic"])
         current = _gauge(
             "kafka_topic_partition_current_offset",
@@ -477,7 +493,9 @@ async def serve(
             host,
         )
     config = monitor.config
-    collector = ReportCollector(config.freshness_budget_s, config.slot_wal_bound_bytes)
+    collector = ReportCollector(
+        config.freshness_budget_s, config.slot_wal_bound_bytes, config.scope
+    )
     started = time.monotonic()
     collector.update(await monitor.collect(), time.monotonic() - started)
     server, thread = start_endpoint(

@@ -68,8 +68,13 @@ async def read_kafka(
     request_timeout_ms: int = 10_000,
     fetch_deadline_s: float = 3.0,
     client_options: Mapping[str, Any] | None = None,
+    read_records_of: Callable[[str], bool] | None = None,
 ) -> KafkaSnapshot:
     """Read offsets and next-record timestamps of the groups ``select_group`` accepts.
+
+    ``read_records_of`` limits the groups whose next records are fetched (for their
+    timestamps; None: every selected group): the others get offsets only, and no
+    record of their topics is read.
 
     Raises:
         SourceUnavailableError: the cluster could not be reached or refused a request.
@@ -99,7 +104,9 @@ async def read_kafka(
     try:
         await admin.start()
         await consumer.start()
-        return await _read(admin, consumer, select_group, fetch_deadline_s)
+        return await _read(
+            admin, consumer, select_group, read_records_of or select_group, fetch_deadline_s
+        )
     except KafkaError as exc:
         raise SourceUnavailableError(
             "kafka",
@@ -119,6 +126,7 @@ async def _read(
     admin: Any,
     consumer: Any,
     select_group: Callable[[str], bool],
+    read_records_of: Callable[[str], bool],
     fetch_deadline_s: float,
 ) -> KafkaSnapshot:
     from aiokafka import TopicPartition
@@ -166,12 +174,16 @@ async def _read(
 
     wanted: dict[TopicPartitionKey, set[int]] = {}
     for g in groups:
+        if not read_records_of(g.group):
+            continue
         for key, offset in g.committed.items():
             if key in end and offset < end[key]:
                 wanted.setdefault(key, set()).add(max(offset, oldest.get(key, 0)))
     found = await _timestamps_at(consumer, wanted, fetch_deadline_s)
     next_ts: dict[tuple[str, str, int], int] = {}
     for g in groups:
+        if not read_records_of(g.group):
+            continue
         for key, offset in g.committed.items():
             ts = found.get((key, max(offset, oldest.get(key, 0))))
             if ts is not None and offset < end.get(key, 0):

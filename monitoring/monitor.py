@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from connectors.client import ConnectorStatus
@@ -34,6 +34,7 @@ from monitoring.model import (
     TaskReport,
     TopicOffsets,
 )
+from monitoring.scope import ALL, Scope
 from monitoring.snapshots import read_snapshots
 from monitoring.status import (
     SEVERITY_OF,
@@ -121,6 +122,9 @@ class MonitorConfig:
             broker is how far behind they are; the other regions' own groups are.
         links: Reads the WAN links (the local stack's emulator); None: no links.
         region_links: Region -> the name of the link its changes cross.
+        scope: What this monitor reads and reports (monitoring.scope): all of it,
+            the central part (no cache is read), or one region's cache and group
+            (no slot, connector, snapshot, link, nor another region's cache or group).
     """
 
     bootstrap_servers: tuple[str, ...]
@@ -142,8 +146,10 @@ class MonitorConfig:
     site_regions: tuple[str, ...] = ()
     links: LinkReader | None = field(default=None, repr=False)
     region_links: Mapping[str, str] = field(default_factory=dict)
+    scope: Scope = ALL
 
     def __post_init__(self) -> None:
+        self.scope.check([r.name for r in self.regions])
         if self.window < 2:
             raise MonitoringConfigError(f"window {self.window} must be at least 2 observations")
         if self.freshness_budget_s <= 0:
@@ -162,15 +168,62 @@ class MonitorConfig:
             return group in self.groups
         return group.startswith("edgefeed-") or self.names.owns_group(group)
 
+    def reads_group(self, group: str) -> bool:
+        """Whether a round reads ``group``'s offsets: selected, and reported in this
+        scope or needed by it (a region's pending and behind need the router's group
+        and the group that carries the region's changes)."""
+        return self.selects(group) and self._scope_reads(group)
+
+    def reports_group(self, group: str) -> bool:
+        """Whether the report shows ``group``: a declared region's feature group is
+        that region's; every other group (router, forwarders) is central."""
+        region = self.names.region_of_group(group)
+        declared = any(r.name == region for r in self.regions)
+        return self.scope.owns(region if declared else None)
+
+    def reads_records_of(self, group: str) -> bool:
+        """Whether a round reads the next records of ``group`` (their timestamps give
+        its lag in seconds). Not the router's in a region scope: the source topics
+        hold every region's rows, and a region's exporter reads only its own."""
+        return self.scope.region is None or group != self.names.router_group
+
+    def _scope_reads(self, group: str) -> bool:
+        if self.reports_group(group):
+            return True
+        region = self.scope.region
+        return region is not None and group in (
+            self.names.router_group,
+            self.carrier_group(region),
+        )
+
+    @property
+    def read_regions(self) -> tuple[RegionTarget, ...]:
+        """The region caches this scope reads (none for ``central``)."""
+        return tuple(r for r in self.regions if self.scope.owns(r.name))
+
+    @property
+    def deadletter_topics(self) -> list[str]:
+        """The dead-letter topics this scope counts: the central one is central's, a
+        region's is the region's."""
+        owned: list[tuple[str | None, str]] = [(None, self.names.dead_letter_topic)]
+        owned += [(r.name, self.names.region_dead_letter_topic(r.name)) for r in self.regions]
+        return [topic for owner, topic in owned if self.scope.owns(owner)]
+
     @property
     def deadletter_topic(self) -> str:
-        return self.names.dead_letter_topic
+        """The dead-letter topic a report names first (the scope's own)."""
+        return self.deadletter_topics[0]
 
     @property
     def expected_groups(self) -> tuple[str, ...]:
         if self.groups:
-            return self.groups
-        return (self.names.router_group, *(self.carrier_group(r.name) for r in self.regions))
+            expected = self.groups
+        else:
+            expected = (
+                self.names.router_group,
+                *(self.carrier_group(r.name) for r in self.regions),
+            )
+        return tuple(g for g in expected if self._scope_reads(g))
 
     def carrier_group(self, region: str) -> str:
         """The group on the central broker whose progress is the region's: its
@@ -193,11 +246,13 @@ class Monitor:
         self._deadletters = Series(config.window, config.min_interval_s)
 
     async def collect(self) -> Report:
-        """One round: everything read concurrently, then judged."""
+        """One round: everything the scope covers read concurrently, then judged."""
         config = self.config
+        central = config.scope.central  # slots, connectors, snapshots, links: central's
         kafka_task = read_kafka(
             config.bootstrap_servers,
-            select_group=config.selects,
+            select_group=config.reads_group,
+            read_records_of=config.reads_records_of,
             client_id=config.client_id,
             request_timeout_ms=int(config.timeout_s * 1000),
             client_options=config.kafka_options,
@@ -210,11 +265,11 @@ class Monitor:
                 timeout_s=config.timeout_s,
                 redis_options=r.redis_options,
             )
-            for r in config.regions
+            for r in config.read_regions
         ]
         slot_task = (
             read_slots(config.database_dsn, timeout_s=config.timeout_s)
-            if config.database_dsn
+            if central and config.database_dsn
             else _nothing()
         )
         connect_task = (
@@ -224,18 +279,22 @@ class Monitor:
                 timeout_s=config.timeout_s,
                 secrets=config.secrets,
             )
-            if config.connect_url
+            if central and config.connect_url
             else _nothing()
         )
         watched = {s.connector: s.notification_topic for s in config.sources}
-        snapshot_task = read_snapshots(
-            config.bootstrap_servers,
-            {name: topic for name, topic in watched.items() if topic},
-            client_id=config.client_id,
-            timeout_s=config.timeout_s,
-            client_options=config.kafka_options,
+        snapshot_task = (
+            read_snapshots(
+                config.bootstrap_servers,
+                {name: topic for name, topic in watched.items() if topic},
+                client_id=config.client_id,
+                timeout_s=config.timeout_s,
+                client_options=config.kafka_options,
+            )
+            if central
+            else _nothing()
         )
-        link_task = config.links() if config.links is not None else _nothing()
+        link_task = config.links() if central and config.links is not None else _nothing()
         results = await asyncio.gather(
             kafka_task,
             slot_task,
@@ -256,13 +315,20 @@ class Monitor:
             links = link_reports(cast(Sequence[Mapping[str, Any]], link_result))
         regions = tuple(
             self._region_report(target, result, kafka, now)
-            for target, result in zip(config.regions, region_results, strict=True)
+            for target, result in zip(config.read_regions, region_results, strict=True)
+        )
+        # Groups and topics read only for the regions' pending and behind are not shown.
+        kafka = replace(
+            kafka,
+            groups=tuple(g for g in kafka.groups if config.reports_group(g.group)),
+            topics=kafka.topics if central else (),
         )
         slots, cdc_error = self._slot_reports(slot_result)
         connectors, connect_error = self._connector_reports(connect_result)
         snapshot_error = _unavailable(snapshot_result)
         snapshots = cast(
-            "tuple[SnapshotReport, ...]", () if snapshot_error is not None else snapshot_result
+            "tuple[SnapshotReport, ...]",
+            () if snapshot_error is not None or snapshot_result is None else snapshot_result,
         )
         problems = self._problems(kafka, regions, slots, connectors, cdc_error, connect_error)
         problems += link_problems(links, links_error, regions, config.freshness_budget_s)
@@ -373,7 +439,7 @@ class Monitor:
             )
         self.history.forget_except(seen_keys)
 
-        dead_topics = self.config.names.dead_letter_topics(r.name for r in self.config.regions)
+        dead_topics = self.config.deadletter_topics
         by_topic = tuple(
             (name, sum(topics[name][1].values())) for name in dead_topics if name in topics
         )
@@ -474,11 +540,16 @@ class Monitor:
 
     def _behind(self, kafka: KafkaReport, region: str) -> float | None:
         """Seconds behind: the oldest change not yet past the router or the region's
-        carrier group (its forwarder's with a site: held by a cut link, it grows)."""
+        carrier group (its forwarder's with a site: held by a cut link, it grows).
+
+        A region scope reads no record of the source topics (they hold every region's
+        rows), so the router's seconds are unknown there: its behind counts from the
+        router's output, and the central scope exports the router's own seconds.
+        """
         if kafka.error:
             return None
-        names = self.config.names
-        wanted = (names.router_group, self.config.carrier_group(region))
+        router, carrier = self.config.names.router_group, self.config.carrier_group(region)
+        wanted = (router, carrier) if self.config.reads_records_of(router) else (carrier,)
         found = [g.lag_seconds for g in kafka.groups if g.group in wanted and g.partitions]
         return max(found) if found else None
 

@@ -73,6 +73,14 @@ SampleOpt = Annotated[int, typer.Option("--sample-size", help="Vectors sampled p
 MinIntervalOpt = Annotated[
     float, typer.Option("--min-interval", help="Seconds between observations kept.")
 ]
+ScopeOpt = Annotated[
+    str,
+    typer.Option(
+        "--scope",
+        help="What to read: all; central (no region cache); region:NAME (that region's "
+        "cache and group only, no PostgreSQL or Kafka Connect).",
+    ),
+]
 StateDirOpt = Annotated[
     Path,
     typer.Option(
@@ -109,14 +117,24 @@ def build_config(
     freshness_budget_s: float = 5.0,
     slot_wal_bound_bytes: int = 1024**3,
     sample_size: int = 20,
+    scope: str = "all",
 ) -> MonitorConfig:
     """The monitor's view of the settings file.
 
     With links in ``sites:``, their health is read from the WAN emulator of the
     local stack in ``state_dir`` (default ``.edgefeed``, as ``edgefeed dev``).
+    ``scope`` is ``all``, ``central`` or ``region:NAME`` (monitoring.scope); a
+    region scope is given neither the database (nor its password) nor the
+    Connect URL, the sources nor the links: it reads none of them.
+
+    Raises:
+        MonitoringConfigError: a bad scope, or a region scope naming no declared region.
     """
     from connectors.config import notification_topic
-    from monitoring import MonitorConfig, RegionTarget, SourceTarget
+    from monitoring import MonitorConfig, RegionTarget, Scope, SourceTarget
+
+    parsed = Scope.parse(scope)
+    central = parsed.central
 
     if not groups and settings.sites.regions:
         # With sites, a region with a broker of its own has its worker's group there;
@@ -128,7 +146,7 @@ def build_config(
         ]
     sites = settings.sites
     links = None
-    if sites.all_links():
+    if central and sites.all_links():
         control = (state_dir or Path(".edgefeed")).resolve() / "run" / "wan.sock"
         links = link_reader(control)
     return MonitorConfig(
@@ -146,10 +164,11 @@ def build_config(
         sources=tuple(
             SourceTarget(s.name, s.connector_name, s.effective_slot_name, notification_topic(s))
             for s in settings.sources
+            if central
         ),
-        database_dsn=settings.database.dsn(),
+        database_dsn=settings.database.dsn() if central else None,
         kafka_options=settings.kafka.security.aiokafka_options(),
-        connect_url=settings.connect.url,
+        connect_url=settings.connect.url if central else None,
         groups=tuple(groups or ()),
         names=settings.pipeline.names,
         window=window,
@@ -159,7 +178,8 @@ def build_config(
         sample_size=sample_size,
         timeout_s=settings.connect.timeout_s,
         client_id=f"{settings.kafka.client_id}-monitor",
-        secrets=tuple(settings.database.secrets()),
+        secrets=tuple(settings.database.secrets()) if central else (),
+        scope=parsed,
     )
 
 
@@ -355,11 +375,13 @@ def register(app: typer.Typer) -> None:
         slot_wal_bound: WalOpt = 1024**3,
         sample_size: SampleOpt = 20,
         state_dir: StateDirOpt = Path(".edgefeed"),
+        scope: ScopeOpt = "all",
     ) -> None:
         """Consumer lag (messages, seconds, Burrow status), region freshness, slots, connectors.
 
         With sites: each region's seconds behind and the WAN links (reachable,
-        delay set and observed, bytes per second each way).
+        delay set and observed, bytes per second each way). ``--scope`` as the
+        exporter's.
         """
         from monitoring import Monitor
 
@@ -376,6 +398,7 @@ def register(app: typer.Typer) -> None:
                 freshness_budget_s=freshness_budget,
                 slot_wal_bound_bytes=slot_wal_bound,
                 sample_size=sample_size,
+                scope=scope,
             )
         )
         monitor = Monitor(config)
@@ -432,8 +455,15 @@ def register(app: typer.Typer) -> None:
         slot_wal_bound: WalOpt = 1024**3,
         sample_size: SampleOpt = 20,
         state_dir: StateDirOpt = Path(".edgefeed"),
+        scope: ScopeOpt = "all",
     ) -> None:
-        """Serve Prometheus metrics (kafka_exporter names plus edgefeed_*) on /metrics."""
+        """Serve Prometheus metrics (kafka_exporter names plus edgefeed_*) on /metrics.
+
+        ``--scope`` splits the reads between exporters, for Kubernetes, where a
+        region's cache may be read only from inside the region: ``central`` reads
+        everything but the region caches, ``region:NAME`` that region's cache and
+        consumer group (docs/operations.md). Their series add up to ``all``'s.
+        """
         from monitoring import EndpointSecurity, Monitor, serve
 
         settings = settings_of(ctx)
@@ -452,6 +482,7 @@ def register(app: typer.Typer) -> None:
                 freshness_budget_s=freshness_budget,
                 slot_wal_bound_bytes=slot_wal_bound,
                 sample_size=sample_size,
+                scope=scope,
             )
         )
 
