@@ -245,3 +245,17 @@ def test_the_dashboard_and_alerts_show_the_sites_links_and_regions_behind() -> N
     alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
     assert "edgefeed_link_up" in _metric_names(alerts["EdgefeedLinkCut"]["expr"])
     assert "edgefeed_region_behind_seconds" in _metric_names(alerts["EdgefeedRegionBehind"]["expr"])
+
+
+def test_alert_rules_join_the_budget_through_an_aggregation() -> None:
+    """Every exporter that judges a region emits the budget, so a rule that joins it
+    with `on ()` must aggregate it first (one series on its side of the join)."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    budget = 0
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            for match in re.finditer(r"edgefeed_freshness_budget_seconds", rule["expr"]):
+                budget += 1
+                before = rule["expr"][: match.start()]
+                assert before.endswith(("max(", "max (", "min(", "min (")), rule["alert"]
+    assert budget == 2  # EdgefeedFreshnessOverBudget, EdgefeedRegionBehind
