@@ -22,7 +22,7 @@ def settings(tmp_path: Path) -> Path:
     # Addresses nothing listens on: nothing here may reach them.
     path.write_text(
         "kafka: {bootstrap_servers: '127.0.0.1:1'}\n"
-        "database: {host: 127.0.0.1, port: 1, password: x}\n"
+        "database: {host: 127.0.0.1, port: 1, password: pw-pipeline-cli-test}\n"
         "regions: [{name: eu-west, redis_url: 'redis://127.0.0.1:1/0', residency_zone: eu}]\n"
     )
     return path
