@@ -78,6 +78,10 @@ COMMANDS: dict[str, LazyCommand] = {
         "edgefeed.cli.workers",
         "Model workers: dynamic batching on GPU or CPU, per-request latency budget.",
     ),
+    "deploy": LazyCommand(
+        "edgefeed.cli.deploy",
+        "Deployment files generated from the settings: Kubernetes overlays.",
+    ),
     "lab": LazyCommand(
         "edgefeed.cli.lab",
         "The latency lab: central vs edge topologies on emulated WAN links, every term measured.",

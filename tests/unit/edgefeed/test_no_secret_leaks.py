@@ -81,6 +81,7 @@ COMMANDS = {
     "workers bench",
     "workers seed-demo",
     "lab run",
+    "deploy k8s",
 }
 
 
@@ -381,6 +382,8 @@ def test_no_command_prints_a_secret_against_unreachable_services(
             in_process=True,
         ),
         Case(inline, ("features", "plan")),
+        Case(inline, ("deploy", "k8s", "--out", str(tmp_path / "k8s"))),
+        Case(remote, ("deploy", "k8s", "--check", "--out", str(tmp_path / "k8s"))),
         Case(env_file, ("features", "apply", "--json", "--wait", "0"), in_process=True),
         Case(inline, ("demo", "load", "--duration", "1")),
         Case(env_file, ("demo", "load", "--duration", "1"), in_process=True),
@@ -428,7 +431,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     )
 
 
-_GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers", "lab"}
+_GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers", "lab", "deploy"}
 _SUBGROUPS = {("dev", "wan")}
 
 
@@ -478,6 +481,7 @@ SETTINGS_COMMANDS = [
     ("cache", "get", "user", "1", "--region", "eu"),
     ("workers", "seed-demo", "--region", "eu"),
     ("lab", "run", "--region", "eu"),
+    ("deploy", "k8s", "--check"),
 ]
 
 

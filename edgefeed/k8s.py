@@ -1,0 +1,370 @@
+"""The Kubernetes manifests' generated parts, written from the settings file.
+
+deploy/k8s holds a kustomize base per namespace kind (``base/central``,
+``base/region``, the shared ``base/common`` component) written by hand, and
+the parts that follow from the settings, written here:
+
+- ``base/common/edgefeed.yaml``: the settings file itself, byte for byte (the
+  pods read it from the ConfigMap ``edgefeed-settings``); the compose stack
+  reads the same file (deploy/edgefeed.compose.yaml).
+- ``base/central/prometheusrule.yaml`` (deploy/prometheus/alerts.yml as a
+  PrometheusRule) and ``base/central/dashboards/edgefeed.json`` (Grafana).
+- ``overlays/central`` and, per region of the settings, ``overlays/<region>``
+  (namespace ``edgefeed-<region>``, the region's name in every argument, the
+  KEDA trigger's topic and consumer group, ``maxReplicaCount`` = the regional
+  topic's partitions, the Redis Service named after the ``redis_url`` host)
+  and ``overlays/<region>-gpu`` (the same with the model workers on an NVIDIA
+  GPU).
+
+:func:`render` is pure: it maps the inputs to ``{relative path: text}``;
+``edgefeed deploy k8s`` writes the files or, with ``--check``, reports the
+files that differ (the test suite runs the check, so a region added to the
+settings without regenerating fails the build).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from connectors.secrets import is_secret_key, url_secrets
+from edgefeed.settings import EdgefeedSettings, SettingsError
+
+__all__ = [
+    "CENTRAL_NAMESPACE",
+    "GENERATED_NOTE",
+    "K8sInputs",
+    "diff",
+    "inline_secrets",
+    "region_namespace",
+    "render",
+    "write",
+]
+
+CENTRAL_NAMESPACE = "edgefeed"
+GENERATED_NOTE = "# Written by `edgefeed deploy k8s` from the settings file: do not edit.\n"
+
+
+def region_namespace(region: str) -> str:
+    """The namespace a region's workers, Redis and exporter live in."""
+    return f"edgefeed-{region}"
+
+
+@dataclass(frozen=True, slots=True)
+class K8sInputs:
+    """What the generated files are made of.
+
+    Attributes:
+        settings: The parsed settings (regions, partitions, topics, groups).
+        settings_text: The settings file's exact text (copied into the ConfigMap).
+        alerts_text: deploy/prometheus/alerts.yml.
+        dashboard_text: deploy/grafana/dashboards/edgefeed.json.
+        image_tag: The edgefeed image's tag (the package version).
+    """
+
+    settings: EdgefeedSettings
+    settings_text: str
+    alerts_text: str
+    dashboard_text: str
+    image_tag: str
+
+
+def _dump(*docs: object) -> str:
+    return GENERATED_NOTE + "---\n".join(
+        yaml.safe_dump(doc, sort_keys=False, width=100) for doc in docs
+    )
+
+
+def _redis_host(region: str, url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 6379
+    if not host or "." in host:
+        raise SettingsError(
+            f"region {region!r}: redis_url host {host!r} is not a Service name of the region's "
+            "namespace; deploy/k8s runs the region's Redis as a Service named after the host "
+            "(e.g. redis://redis-eu-west:6379/0)"
+        )
+    return host, port
+
+
+def _prometheus_rule(alerts_text: str) -> dict[str, object]:
+    rules = yaml.safe_load(alerts_text)
+    if not isinstance(rules, dict) or not isinstance(rules.get("groups"), list):
+        raise SettingsError("deploy/prometheus/alerts.yml has no `groups:` list of rule groups")
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "edgefeed", "labels": {"release": "prometheus"}},
+        "spec": {"groups": rules["groups"]},
+    }
+
+
+def _container_patch(kind: str, name: str, container: str, command_line: str) -> dict[str, object]:
+    args = command_line.split()
+    return {
+        "apiVersion": "apps/v1",
+        "kind": kind,
+        "metadata": {"name": name},
+        "spec": {"template": {"spec": {"containers": [{"name": container, "args": args}]}}},
+    }
+
+
+def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
+    settings = inputs.settings
+    pipeline = settings.pipeline
+    names = pipeline.names
+    namespace = region_namespace(region)
+    host, port = _redis_host(region, settings.region(region).redis_url)
+    servers = settings.sites.bootstrap_of(region) or settings.kafka.bootstrap_servers
+    bootstrap = ",".join(servers)
+    partitions = pipeline.partitions
+    base = f"overlays/{region}"
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": namespace,
+        "resources": ["../../base/region", "redis-service.yaml"],
+        "labels": [{"pairs": {"edgefeed.io/region": region}, "includeSelectors": False}],
+        "images": [{"name": "edgefeed", "newName": "edgefeed", "newTag": inputs.image_tag}],
+        "patches": [{"path": "region.yaml"}],
+    }
+    redis_service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": host, "labels": {"app.kubernetes.io/name": "redis"}},
+        "spec": {
+            "selector": {"app.kubernetes.io/name": "redis"},
+            "ports": [{"name": "redis", "port": port, "targetPort": "redis"}],
+        },
+    }
+    serving = {"edgefeed.io/serving-region": region}
+    patches: list[dict[str, object]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": "edgefeed-region", "labels": {"edgefeed.io/region": region}},
+        },
+        _container_patch(
+            "Deployment",
+            "feature-worker",
+            "worker",
+            f"pipeline run --region {region} --metrics-host 0.0.0.0 --metrics-port 9100 "
+            "--metrics-token-file /run/secrets/metrics_token",
+        ),
+        _container_patch(
+            "Deployment",
+            "model-worker",
+            "worker",
+            f"workers serve --model ranker --region {region} --device auto --host 0.0.0.0 "
+            "--port 8000 --auth-token-file /run/secrets/model_token",
+        ),
+        _container_patch(
+            "Deployment",
+            "exporter",
+            "exporter",
+            f"exporter --scope region:{region} --host 0.0.0.0 --port 9308 --interval 15 "
+            "--token-file /run/secrets/metrics_token",
+        ),
+        {
+            "apiVersion": "keda.sh/v1alpha1",
+            "kind": "ScaledObject",
+            "metadata": {"name": "feature-worker"},
+            "spec": {
+                # More consumers than partitions would sit idle.
+                "maxReplicaCount": partitions,
+                "triggers": [
+                    {
+                        "type": "kafka",
+                        "metadata": {
+                            "bootstrapServers": bootstrap,
+                            "consumerGroup": names.region_group(region),
+                            "topic": pipeline.region_topic(region),
+                            "lagThreshold": "2000",
+                            "offsetResetPolicy": "earliest",
+                            "allowIdleConsumers": "false",
+                            "scaleToZeroOnInvalidOffset": "false",
+                        },
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "keda.sh/v1alpha1",
+            "kind": "ScaledObject",
+            "metadata": {"name": "model-worker"},
+            "spec": {"triggers": _model_triggers(namespace)},
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "redis"},
+            "spec": {
+                "ingress": [
+                    {
+                        "from": [
+                            {"podSelector": {"matchLabels": {"edgefeed.io/redis-client": "true"}}},
+                            {"namespaceSelector": {"matchLabels": serving}},
+                        ],
+                        "ports": [{"protocol": "TCP", "port": 6379}],
+                    }
+                ]
+            },
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "model-worker"},
+            "spec": {
+                "ingress": [
+                    {
+                        "from": [{"namespaceSelector": {"matchLabels": serving}}],
+                        "ports": [{"protocol": "TCP", "port": 8000}],
+                    }
+                ]
+            },
+        },
+    ]
+    gpu = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"../{region}"],
+        "components": ["../../components/gpu"],
+    }
+    return {
+        f"{base}/kustomization.yaml": _dump(kustomization),
+        f"{base}/redis-service.yaml": _dump(redis_service),
+        f"{base}/region.yaml": _dump(*patches),
+        f"overlays/{region}-gpu/kustomization.yaml": _dump(gpu),
+    }
+
+
+def _model_triggers(namespace: str) -> list[dict[str, object]]:
+    server = "http://prometheus-operated.monitoring.svc:9090"
+    return [
+        {
+            "type": "prometheus",
+            "metadata": {
+                "serverAddress": server,
+                "query": f'sum(edgefeed_worker_queue_depth{{namespace="{namespace}"}})',
+                "threshold": "16",
+                "metricType": "AverageValue",
+            },
+        },
+        {
+            "type": "prometheus",
+            "metadata": {
+                "serverAddress": server,
+                "query": (
+                    "histogram_quantile(0.99, sum by (le) (rate(edgefeed_worker_latency_seconds_"
+                    f'bucket{{namespace="{namespace}", term="service"}}[2m])))'
+                ),
+                "threshold": "0.005",
+                "metricType": "Value",
+            },
+        },
+    ]
+
+
+def inline_secrets(tree: Any, key: str = "") -> list[str]:
+    """The keys of a parsed settings tree that hold a secret other than as a file.
+
+    A secret value (``password: ...``), a secret from the environment
+    (``password_env``: the pods get their secrets as files only) or a URL with
+    a password. Returns the keys' dotted paths, never the values.
+    """
+    found: list[str] = []
+    if isinstance(tree, Mapping):
+        for name, value in tree.items():
+            found += inline_secrets(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            found += inline_secrets(value, f"{key}[{i}]")
+    elif tree is not None:
+        leaf = key.rsplit(".", 1)[-1].split("[", 1)[0]
+        if (is_secret_key(leaf) and not leaf.endswith("_file")) or (
+            isinstance(tree, str) and url_secrets(tree)
+        ):
+            found.append(key)
+    return found
+
+
+def render(inputs: K8sInputs) -> dict[str, str]:
+    """Every generated file under deploy/k8s, by path relative to it.
+
+    Raises:
+        SettingsError: the settings hold a secret other than as a file (it
+            would land in a ConfigMap), a region's Redis host cannot be a
+            Service name, or the alert rules have no groups.
+    """
+    secrets = inline_secrets(yaml.safe_load(inputs.settings_text))
+    if secrets:
+        raise SettingsError(
+            f"the settings hold secrets inline or from the environment ({', '.join(secrets)}); "
+            "the manifests copy the settings into a ConfigMap and mount secrets as files: "
+            "name each one by its *_file key (e.g. password_file: /run/secrets/pg_password)"
+        )
+    json.loads(inputs.dashboard_text)  # a broken dashboard fails here, not in Grafana
+    files = {
+        "base/common/edgefeed.yaml": inputs.settings_text,
+        "base/central/dashboards/edgefeed.json": inputs.dashboard_text,
+        "base/central/prometheusrule.yaml": _dump(_prometheus_rule(inputs.alerts_text)),
+        "overlays/central/kustomization.yaml": _dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": ["../../base/central"],
+                "images": [{"name": "edgefeed", "newName": "edgefeed", "newTag": inputs.image_tag}],
+            }
+        ),
+    }
+    for region in inputs.settings.region_names:
+        files.update(_region_files(inputs, region))
+    return files
+
+
+def _generated_on_disk(root: Path) -> set[str]:
+    """Region overlays on disk (a region removed from the settings leaves one)."""
+    overlays = root / "overlays"
+    if not overlays.is_dir():
+        return set()
+    found = set()
+    for path in overlays.rglob("*"):
+        if path.is_file() and path.relative_to(overlays).parts[0] != "central":
+            found.add(path.relative_to(root).as_posix())
+    return found
+
+
+def diff(root: Path, files: Mapping[str, str]) -> list[str]:
+    """The paths under ``root`` that differ from ``files``: changed, missing or stale."""
+    problems = []
+    for rel, text in sorted(files.items()):
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"missing: {rel}")
+        elif path.read_text(encoding="utf-8") != text:
+            problems.append(f"differs: {rel}")
+    for rel in sorted(_generated_on_disk(root) - set(files)):
+        problems.append(f"stale (no such region in the settings): {rel}")
+    return problems
+
+
+def write(root: Path, files: Mapping[str, str]) -> list[str]:
+    """Write ``files`` under ``root`` and remove stale region overlays; the paths changed."""
+    changed = diff(root, files)
+    for rel in sorted(_generated_on_disk(root) - set(files)):
+        (root / rel).unlink()
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+    for folder in sorted((root / "overlays").rglob("*"), reverse=True):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    return changed
