@@ -1,9 +1,13 @@
-# The edgefeed image: router, regional workers, exporter and the connectors CLI.
+# The edgefeed image: one image for every role (router, regional feature workers,
+# model workers, exporter, the connectors CLI), for compose and Kubernetes alike.
 # Build: docker build -f deploy/edgefeed.Dockerfile -t edgefeed:0.1.0 .
+# The tag is the release (pyproject's version); deploy/k8s pins it the same way,
+# and a release pipeline pins the digest (docs/deploy.md).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY edgefeed edgefeed
+COPY edgefeed_base edgefeed_base
 COPY connectors connectors
 COPY pipeline pipeline
 COPY edge_cache edge_cache

