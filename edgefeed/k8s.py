@@ -8,7 +8,10 @@ the parts that follow from the settings, written here:
   pods read it from the ConfigMap ``edgefeed-settings``); the compose stack
   reads the same file (deploy/edgefeed.compose.yaml).
 - ``base/central/prometheusrule.yaml`` (deploy/prometheus/alerts.yml as a
-  PrometheusRule) and ``base/central/dashboards/edgefeed.json`` (Grafana).
+  PrometheusRule, for the Prometheus operator), ``base/central/alerts.yml``
+  (the same file, as the ConfigMap ``edgefeed-prometheus-rules`` for a
+  Prometheus without the operator) and ``base/central/dashboards/edgefeed.json``
+  (Grafana).
 - ``overlays/central`` and, per region of the settings, ``overlays/<region>``
   (namespace ``edgefeed-<region>``, the region's name in every argument, the
   KEDA trigger's topic and consumer group, ``maxReplicaCount`` = the regional
@@ -314,6 +317,7 @@ def render(inputs: K8sInputs) -> dict[str, str]:
         "base/common/edgefeed.yaml": inputs.settings_text,
         "base/central/dashboards/edgefeed.json": inputs.dashboard_text,
         "base/central/prometheusrule.yaml": _dump(_prometheus_rule(inputs.alerts_text)),
+        "base/central/alerts.yml": inputs.alerts_text,
         "overlays/central/kustomization.yaml": _dump(
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
