@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 import uuid
@@ -30,8 +29,7 @@ from prometheus_client import CollectorRegistry
 from edge_cache import AsyncFeatureWriter, Delete, RegionSettings, Upsert
 from edge_cache.registry import marker_value
 from pipeline.config import PipelineConfig
-from pipeline.envelope import Change, decode_change
-from pipeline.exceptions import PoisonEventError, SinkUnavailableError
+from pipeline.exceptions import SinkUnavailableError
 from pipeline.faustcompat import (
     FetchWait,
     PartitionWriter,
@@ -59,12 +57,12 @@ from pipeline.history import (
 )
 from pipeline.history import read_records as read_history_records
 from pipeline.homes import HomeBook
-from pipeline.messages import encode_packs
 from pipeline.metrics import PipelineMetrics
 from pipeline.names import HOMES_TABLE, STATE_TABLE
 from pipeline.probes import Readiness, RegionReadiness, partition_marks
 from pipeline.routing import Router
 from pipeline.runtime import BatchPolicy, Delivery, QuietBatches, RegionRuntime
+from pipeline.runtime.router import RouterRuntime, SourceRecord, dead_letter_headers
 from pipeline.statestore import (
     ChangelogFence,
     checkpoint_key,
@@ -134,49 +132,60 @@ def _metrics(metrics: PipelineMetrics | None) -> PipelineMetrics:
     return metrics if metrics is not None else PipelineMetrics.create(CollectorRegistry())
 
 
-def _dead_letter_headers(
-    reason: str, error: str, stage: str, topic: str, partition: int, offset: int
-) -> dict[str, bytes]:
-    return {
-        "edgefeed-reason": reason.encode(),
-        "edgefeed-error": error.encode()[:2000],
-        "edgefeed-stage": stage.encode(),
-        "edgefeed-topic": topic.encode(),
-        "edgefeed-partition": str(partition).encode(),
-        "edgefeed-offset": str(offset).encode(),
-    }
-
-
-DEAD_LETTER_MAX_BYTES = 512 * 1024  # a dead letter's value; brokers refuse ~1 MB
-
-
-def _pointer(headers: Mapping[str, bytes], value: bytes, why: str) -> bytes:
-    """A dead letter that points at its source record instead of holding it."""
-    return orjson.dumps(
-        {
-            "withheld": why,
-            "reason": headers.get("edgefeed-reason", b"").decode(errors="replace"),
-            "topic": headers.get("edgefeed-topic", b"").decode(errors="replace"),
-            "partition": int(headers.get("edgefeed-partition", b"-1") or -1),
-            "offset": int(headers.get("edgefeed-offset", b"-1") or -1),
-            "size": len(value),
-            "sha256": hashlib.sha256(value).hexdigest(),
-        }
-    )
-
-
-def _home_of(change: Change | None, column: str) -> str | None:
-    """The home region a decoded change's row names, if any (for its dead letter)."""
-    if change is None:
-        return None
-    for row in (change.after, change.before):
-        if isinstance(row, Mapping) and isinstance(row.get(column), str):
-            return str(row[column])
-    return None
-
-
 def _raw_topic(app: faust.App, name: str, partitions: int) -> Any:
     return app.topic(name, partitions=partitions, key_serializer="raw", value_serializer="raw")
+
+
+class _FaustRegional:
+    """RegionalSink: the regional topics."""
+
+    def __init__(self, app: faust.App, outputs: Mapping[str, Any]) -> None:
+        self.app, self.outputs = app, outputs
+
+    async def send(self, region: str, partition: int, pack: bytes) -> Any:
+        return await self.outputs[region].send(value=pack, partition=partition)
+
+    async def delivered(self, handles: Sequence[Any]) -> None:
+        await wait_delivered(self.app, list(handles))
+
+
+class _FaustRouterDeadLetters:
+    """RouterDeadLetters: the central dead-letter topic and each region's own; each
+    dead letter is waited for, so a refusal reaches the runtime's retry."""
+
+    def __init__(self, app: faust.App, central: Any, regional: Mapping[str, Any]) -> None:
+        self.app, self.central, self.regional = app, central, regional
+
+    async def send(
+        self, region: str | None, key: bytes | None, value: bytes, headers: dict[str, bytes]
+    ) -> None:
+        topic = self.central if region is None else self.regional[region]
+        sent = await topic.send(key=key, value=value, headers=headers)
+        await wait_delivered(self.app, [sent])
+
+
+class _FaustHomeRecords:
+    """HomeRecords: the book of homes' changelog (a table of one partition)."""
+
+    def __init__(self, app: faust.App, records: PartitionWriter, sent: list[Any]) -> None:
+        self.app, self.records, self.sent = app, records, sent
+
+    async def close(self) -> None:
+        await wait_delivered(self.app, self.sent)
+        # Closed by a lone record, as the regional changelogs are (Tansu reports a
+        # partition's end as the start of its last batch; _FaustChangelog.close).
+        self.records[checkpoint_key(0)] = {"at_ms": int(time.time() * 1000)}
+        await wait_delivered(self.app, self.sent)
+
+
+class _FaustRecordAcker:
+    """RecordAcker: acks the Faust event behind each source record."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+
+    async def ack(self, record: SourceRecord) -> None:
+        await self.stream.ack(record.handle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,12 +211,12 @@ class _RouterHistory:
         app: faust.App,
         config: PipelineConfig,
         source: HistorySource,
-        outputs: Mapping[str, Any],
-        routed: Mapping[tuple[str, int], int],
-        progress: asyncio.Event,
+        runtime: RouterRuntime,
     ) -> None:
         self.app, self.config, self.source = app, config, source
-        self.outputs, self.routed, self.progress = outputs, routed, progress
+        # The routing runtime: its regional sink, and how far it has routed.
+        self.regional = runtime.regional
+        self.routed, self.progress = runtime.routed, runtime.progress
         self.records = _raw_topic(app, config.names.history_topic, 1)
         self.bootstrap = list(config.kafka.bootstrap_servers)
         self.options = config.kafka.security.aiokafka_options()
@@ -232,11 +241,11 @@ class _RouterHistory:
 
     async def send_markers(self, body: bytes, regions: Sequence[str]) -> None:
         sent = [
-            await self.outputs[region].send(value=body, partition=partition)
+            await self.regional.send(region, partition, body)
             for region in regions
             for partition in range(self.config.pipeline.partitions)
         ]
-        await wait_delivered(self.app, sent)
+        await self.regional.delivered(sent)
 
     async def snapshot(self, table: str, filter_sql: str | None) -> str:
         return await asyncio.to_thread(self.source.snapshot, table, filter_sql)
@@ -254,6 +263,59 @@ class _RouterHistory:
             self.progress.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.progress.wait(), 1.0)
+
+
+def _router_readiness(
+    app: faust.App, config: PipelineConfig, homes: Any, readiness: Readiness
+) -> None:
+    """The router is ready once the table of homes is recovered after an assignment
+    (it routes from then on), not during a rebalance (pipeline.probes)."""
+    fed = set(config.fed_topics())
+
+    @homes.on_recover  # type: ignore[untyped-decorator]
+    async def homes_recovered() -> None:
+        """Routing may start: the homes are known and the source partitions ours."""
+        count = sum(1 for tp in app.assignor.assigned_actives() if tp.topic in fed)
+        readiness.set(True, f"ready: {count} source partitions assigned")
+
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
+    async def router_rebalancing(sender: Any, *args: Any, **kwargs: Any) -> None:
+        readiness.set(False, "recovering partitions (rebalance)")
+
+
+def _router_history(
+    app: faust.App, config: PipelineConfig, measured: PipelineMetrics, ports: _RouterHistory
+) -> None:
+    """The router's history check at start (pipeline.history), retried on a blip."""
+    table_homes = {name: table.home_region_column for name, table in config.tables.items()}
+    needs = [
+        n for n in history_needs(config.entities, table_homes) if n.table in config.source_topics
+    ]
+    states = ("checking", "complete", "rebuilding", "gap")
+
+    def on_state(need: HistoryNeed, state: str) -> None:
+        for known in states:
+            measured.history.labels(need.table, known).set(1 if known == state else 0)
+
+    guard = HistoryGuard(
+        needs,
+        ports,
+        regions=config.region_names,
+        rebuild=config.pipeline.rebuild,
+        on_state=on_state,
+    )
+
+    @app.task  # type: ignore[untyped-decorator]
+    async def check_history() -> None:
+        delay = 1.0
+        while True:
+            try:
+                await guard.run()
+                return
+            except Exception:  # a broker or database blip: never the router's end
+                log.exception("history check failed; trying again in %.0f s", delay)
+                await asyncio.sleep(delay)
+                delay = min(30.0, delay * 2)
 
 
 def build_router_app(
@@ -299,149 +361,36 @@ def build_router_app(
     }
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
-    routed_events = measured.events.labels(app_id, "routed")
-    ignored_events = measured.events.labels(app_id, "ignored")
-    tombstones = measured.events.labels(app_id, "tombstone")
-    batch_sizes = measured.batch_size.labels(app_id)
 
     def partition_of(key: str) -> int:
         # Kafka's default partitioner of the entity key: each regional partition
         # owns whole entities.
         return int(partitioner(key.encode(), all_partitions, all_partitions))
 
-    async def send_dead(topic: Any, key: Any, value: bytes, headers: dict[str, bytes]) -> None:
-        """Send a dead letter; the dead-letter path never stops the router. A value
-        over :data:`DEAD_LETTER_MAX_BYTES` (the broker's limit is ~1 MB) goes as a
-        pointer to its source record (topic, partition, offset, size, SHA-256); a
-        send the broker refuses is tried again with backoff, as a pointer after the
-        first refusal (a lost broker or a missing topic is waited for, never a crash
-        loop that meets the same record after every restart)."""
-        if len(value) > DEAD_LETTER_MAX_BYTES:
-            key, value = None, _pointer(headers, value, "over the dead-letter size limit")
-            headers["edgefeed-withheld"] = b"value over the dead-letter size limit"
-        delay = 0.5
-        while True:
-            try:
-                await topic.send(key=key, value=value, headers=headers)
-                return
-            except Exception as exc:  # MessageSizeTooLarge, an unknown topic, a lost broker
-                log.error(
-                    "dead letter to %s refused (%s: %s); sending a pointer in %.1f s",
-                    topic.get_topic_name(),
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                if "edgefeed-withheld" not in headers:
-                    key, value = None, _pointer(headers, value, f"refused: {type(exc).__name__}")
-                    headers["edgefeed-withheld"] = b"dead letter refused by the broker"
-                await asyncio.sleep(delay)
-                delay = min(30.0, delay * 2)
-
-    async def dead_letter(event: Any, change: Change | None, exc: Exception) -> None:
-        """One source event to the dead letters, keeping residency."""
-        msg = event.message
-        # PoisonEventError for bad events; anything else is a bug met by this event,
-        # which goes to the dead letters instead of crashing the agent (Faust would
-        # restart it and ack the batch, losing it).
-        if not isinstance(exc, PoisonEventError):
-            log.exception("router failed on %s@%s", msg.partition, msg.offset)
-            exc = PoisonEventError("router-error", f"{type(exc).__name__}: {exc}")
-        measured.dead_letters.labels(app_id, exc.reason).inc()
-        log.warning("dead-lettered %s:%s@%s: %s", msg.topic, msg.partition, msg.offset, exc)
-        headers = _dead_letter_headers(
-            exc.reason, str(exc), "router", str(msg.topic), msg.partition, msg.offset
-        )
-        column = home_columns.get(str(msg.topic))
-        if column is None:  # shared data: the central dead letters
-            await send_dead(dead, event.key, event.value or b"", headers)
-            return
-        home = _home_of(change, column)
-        if home in regional_dead:  # personal data stays in its region
-            await send_dead(regional_dead[home], event.key, event.value or b"", headers)
-            return
-        # Personal data of no known region: a pointer to the source record, never
-        # the row itself (nor an error text quoting it).
-        headers["edgefeed-withheld"] = b"personal row of an unknown region"
-        headers["edgefeed-error"] = exc.reason.encode()
-        pointer = orjson.dumps(
-            {
-                "withheld": "personal row of an unknown region",
-                "reason": exc.reason,
-                "topic": str(msg.topic),
-                "partition": msg.partition,
-                "offset": msg.offset,
-            }
-        )
-        await send_dead(dead, None, pointer, headers)
+    acker = _FaustRecordAcker()
+    runtime = RouterRuntime(
+        router,
+        home_columns=home_columns,
+        partitions=partitions,
+        partition_of=partition_of,
+        regional=_FaustRegional(app, outputs),
+        dead_letters=_FaustRouterDeadLetters(app, dead, regional_dead),
+        homes=_FaustHomeRecords(app, home_records, home_sent),
+        acker=acker,
+        metrics=measured,
+        app_id=app_id,
+    )
 
     async def route_batch(events: list[Any]) -> None:
-        """Route one batch of source events, then ack them (after their sends)."""
-        batch_sizes.observe(len(events))
-        # (region, partition) -> the encoded changes bound there, in routing order.
-        packs: dict[tuple[str, int], list[bytes]] = {}
-        decoded: list[tuple[Any, Change]] = []
-        for event in events:
-            try:
-                change = decode_change(event.value or b"", offset=event.message.offset)
-            except Exception as exc:
-                await dead_letter(event, None, exc)
-                continue
-            if change is None:
-                tombstones.inc()
-                continue
-            if change.snapshot == "incremental":
-                measured.snapshot_rows.labels(change.table).inc()
-            decoded.append((event, change))
-        # In commit order across the batch's topics (each topic is in order already):
-        # a user's move and the events after it route in the order they were made,
-        # as far as one batch holds both (the Debezium topics are not ordered with
-        # one another; docs/pipeline.md, "Residency").
-        decoded.sort(key=lambda pair: pair[1].lsn)
-        for event, change in decoded:
-            try:
-                # Encoded before anything is queued: a change that cannot be
-                # encoded is dead-lettered whole, never half-routed.
-                bound = [(m, m.change.encode()) for m in router.route(change)]
-            except Exception as exc:
-                router.homes.rollback()  # the moves it decided are never sent
-                await dead_letter(event, change, exc)
-                continue
-            if not bound:
-                ignored_events.inc()
-                continue
-            for message, body in bound:
-                key = message.key
-                targets = all_partitions if key is None else [partition_of(key)]
-                for partition in targets:  # a truncate reaches every partition
-                    packs.setdefault((message.region, partition), []).append(body)
-            routed_events.inc()
-        sent: list[Any] = []
-        for (region_name, partition), bodies in packs.items():
-            for pack in encode_packs(bodies):
-                sent.append(await outputs[region_name].send(value=pack, partition=partition))
-        if router.homes.pending:
-            # A home changed (a move, a new entity): its record is written only once
-            # the regional messages it decided (the evictions) are delivered, and the
-            # batch is acked only once the record is: a router that dies in between
-            # routes the batch again with the old homes and evicts again.
-            await wait_delivered(app, sent)
-            router.homes.flush()
-            await wait_delivered(app, home_sent)
-            # Closed by a lone record, as the regional changelogs are (Tansu reports a
-            # partition's end as the start of its last batch; _FaustChangelog.close).
-            home_records[checkpoint_key(0)] = {"at_ms": int(time.time() * 1000)}
-            await wait_delivered(app, home_sent)
-        for event in events:
-            await acker.stream.ack(event)
-            message = event.message
-            place = (str(message.topic), message.partition)
-            routed[place] = max(routed.get(place, -1), message.offset)
-        progress.set()
+        await runtime.route_batch(
+            [
+                SourceRecord(
+                    str(e.message.topic), e.message.partition, e.message.offset, e.key, e.value, e
+                )
+                for e in events
+            ]
+        )
 
-    routed: dict[tuple[str, int], int] = {}  # (topic, partition) -> last offset routed
-    progress = asyncio.Event()  # set when a batch was routed
-    acker = _FaustAcker()
     batches = QuietBatches(batch_max, within, route_batch)
 
     @app.agent(source, name="route")
@@ -461,17 +410,7 @@ def build_router_app(
             raise
 
     if readiness is not None:
-        fed = set(config.fed_topics())
-
-        @homes.on_recover
-        async def homes_recovered() -> None:
-            """Routing may start: the homes are known and the source partitions ours."""
-            count = sum(1 for tp in app.assignor.assigned_actives() if tp.topic in fed)
-            readiness.set(True, f"ready: {count} source partitions assigned")
-
-        @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
-        async def router_rebalancing(sender: Any, *args: Any, **kwargs: Any) -> None:
-            readiness.set(False, "recovering partitions (rebalance)")
+        _router_readiness(app, config, homes, readiness)
 
     @app.task  # type: ignore[untyped-decorator]
     async def close_quiet_batches() -> None:
@@ -483,37 +422,7 @@ def build_router_app(
             raise
 
     if history is not None:
-        table_homes = {name: table.home_region_column for name, table in config.tables.items()}
-        needs = [
-            n
-            for n in history_needs(config.entities, table_homes)
-            if n.table in config.source_topics
-        ]
-        states = ("checking", "complete", "rebuilding", "gap")
-
-        def on_state(need: HistoryNeed, state: str) -> None:
-            for known in states:
-                measured.history.labels(need.table, known).set(1 if known == state else 0)
-
-        guard = HistoryGuard(
-            needs,
-            _RouterHistory(app, config, history, outputs, routed, progress),
-            regions=config.region_names,
-            rebuild=config.pipeline.rebuild,
-            on_state=on_state,
-        )
-
-        @app.task  # type: ignore[untyped-decorator]
-        async def check_history() -> None:
-            delay = 1.0
-            while True:
-                try:
-                    await guard.run()
-                    return
-                except Exception:  # a broker or database blip: never the router's end
-                    log.exception("history check failed; trying again in %.0f s", delay)
-                    await asyncio.sleep(delay)
-                    delay = min(30.0, delay * 2)
+        _router_history(app, config, measured, _RouterHistory(app, config, history, runtime))
 
     return app
 
@@ -660,7 +569,7 @@ class _FaustDeadLetters:
     async def send(
         self, delivery: Delivery, value: bytes, reason: str, error: str, index: int | None
     ) -> None:
-        headers = _dead_letter_headers(
+        headers = dead_letter_headers(
             reason, error, self.stage, delivery.topic, delivery.partition, delivery.offset
         )
         if index is not None:
@@ -674,6 +583,49 @@ class _FaustAcker:
 
     async def ack(self, delivery: Delivery) -> None:
         await self.stream.ack(delivery.handle)
+
+
+def _region_duties(
+    app: faust.App,
+    region_name: str,
+    runtime: RegionRuntime,
+    acker: _FaustAcker,
+    changes: Any,
+    readiness: RegionReadiness | None,
+) -> None:
+    """The regional worker's duties beside its agent: batches, checkpoints and cache
+    checks when due, a checkpoint at each rebalance, progress for the probes."""
+
+    @app.task  # type: ignore[untyped-decorator]
+    async def duties() -> None:
+        # Close quiet batches, start checkpoints, check the cache: each when due,
+        # not on a fixed short timer (an idle worker wakes once a second).
+        while True:
+            if acker.stream is None:  # the agent has not started yet
+                await asyncio.sleep(0.05)
+                continue
+            await runtime.wait_for_duty()
+            try:
+                await runtime.tick()
+            except Exception as exc:  # a bug: stop the worker, as the agent does
+                log.exception("region %s: a duty failed; stopping the worker", region_name)
+                await app.crash(exc)
+                raise
+
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
+    async def checkpoint_at_rebalance(sender: Any, *args: Any, **kwargs: Any) -> None:
+        if readiness is not None:
+            readiness.rebalancing()
+        if acker.stream is not None:
+            await runtime.on_revoke()
+
+    if readiness is not None:
+        topic_name = changes.get_topic_name()
+
+        @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
+        async def report_progress() -> None:
+            offsets = partition_offsets(app, topic_name)
+            readiness.observe(partition_marks(offsets, runtime.progress))
 
 
 def build_region_app(
@@ -767,36 +719,6 @@ def build_region_app(
             await app.crash(exc)
             raise
 
-    @app.task  # type: ignore[untyped-decorator]
-    async def duties() -> None:
-        # Close quiet batches, start checkpoints, check the cache: each when due,
-        # not on a fixed short timer (an idle worker wakes once a second).
-        while True:
-            if acker.stream is None:  # the agent has not started yet
-                await asyncio.sleep(0.05)
-                continue
-            await runtime.wait_for_duty()
-            try:
-                await runtime.tick()
-            except Exception as exc:  # a bug: stop the worker, as the agent does
-                log.exception("region %s: a duty failed; stopping the worker", region_name)
-                await app.crash(exc)
-                raise
-
-    @app.on_partitions_revoked.connect  # type: ignore[arg-type]  # mode types it loosely
-    async def checkpoint_at_rebalance(sender: Any, *args: Any, **kwargs: Any) -> None:
-        if readiness is not None:
-            readiness.rebalancing()
-        if acker.stream is not None:
-            await runtime.on_revoke()
-
-    if readiness is not None:
-        topic_name = changes.get_topic_name()
-
-        @app.timer(interval=1.0)  # type: ignore[untyped-decorator]
-        async def report_progress() -> None:
-            offsets = partition_offsets(app, topic_name)
-            readiness.observe(partition_marks(offsets, runtime.progress))
-
+    _region_duties(app, region_name, runtime, acker, changes, readiness)
     app.edgefeed_runtime = runtime  # type: ignore[attr-defined]  # for tests and debugging
     return app

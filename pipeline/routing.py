@@ -170,6 +170,37 @@ class Router:
             self.homes.rollback()
             raise
 
+    def dead_letter_region(self, change: Change) -> str | None:
+        """The one region a dead-lettered personal row may go to, or None.
+
+        For an entity whose home the book holds (a user's), that home, whatever
+        region the row names: a forged or corrupt row naming another region must
+        not carry the user's data there. Else the region the row names, if it is
+        a known region. None when that leaves no single known region (the row
+        names none or an unknown one, or its entities live apart): the caller
+        then keeps only a pointer to the source record.
+        """
+        table = self.tables.get(change.table)
+        column = None if table is None else table.home_region_column
+        if column is None:
+            return None
+        regions: set[str] = set()
+        for row in (change.after, change.before):
+            named = row.get(column) if isinstance(row, Mapping) else None
+            if isinstance(named, str) and named in self.regions:
+                regions.add(named)
+        row = change.before if change.op == "d" else change.after
+        homes: set[str] = set()
+        for feed in self.feeds.get(change.table, []) if isinstance(row, Mapping) else []:
+            entity_id = row.get(feed.id_column) if isinstance(row, Mapping) else None
+            if not feed.homed or entity_id is None:
+                continue
+            known = self.homes.get(f"{feed.entity}:{entity_id}")
+            if known is not None and known.region is not None:
+                homes.add(known.region)
+        candidates = homes or regions
+        return next(iter(candidates)) if len(candidates) == 1 else None
+
     def _route(self, change: Change) -> list[RegionMessage]:
         feeds = self.feeds.get(change.table)
         if feeds is None:

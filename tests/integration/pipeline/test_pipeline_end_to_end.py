@@ -308,6 +308,38 @@ def test_poison_event_goes_to_the_dead_letter_topic_and_good_events_still_flow(
             others = asyncio.run(read_all(bootstrap, names.region_dead_letter_topic(region)))
             assert all(r.value != known_home for r in others), region
 
+    # A forged or corrupt row of user 1003 (who lives in ap-southeast, as the book
+    # of homes knows by now) naming eu-west: its dead letter goes to the user's
+    # home, never to the region the row names (issue 30).
+    forged = json.dumps(
+        {
+            "op": "c",
+            "before": None,
+            "after": {**bad_region, "event_id": 424244, "home_region": "eu-west"},
+            "source": {"ts_ms": 1, "schema": run.schema, "table": "events", "lsn": 6},
+        }
+    ).encode()
+
+    async def produce_forged() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(events_topic, forged, key=b'{"event_id":424244}')
+        finally:
+            await producer.stop()
+
+    asyncio.run(produce_forged())
+    home_dead = names.region_dead_letter_topic("ap-southeast")
+    wait_for(
+        "the forged row's dead letter in the user's home region",
+        lambda: any(r.value == forged for r in asyncio.run(read_all(bootstrap, home_dead))),
+    )
+    for region in ("eu-west", "us-east"):
+        others = asyncio.run(read_all(bootstrap, names.region_dead_letter_topic(region)))
+        assert all(r.value != forged for r in others), region
+    central = asyncio.run(read_all(bootstrap, names.dead_letter_topic))
+    assert all(r.value != forged for r in central)
+
 
 def snapshot(run: PipelineRun, region: str) -> dict[bytes, bytes | None]:
     client = redis_of(run, region)
