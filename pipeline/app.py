@@ -643,7 +643,7 @@ def build_region_app(
     app_id = names.region_group(region_name)
     app = faust_app(app_id, config)
     fetch_wait: FetchWait = app.edgefeed_fetch_wait  # type: ignore[attr-defined]
-    engine = FeatureEngine(config.entities)
+    engine = FeatureEngine(config.entities, config.tables)
     partitions = config.pipeline.partitions
     changes = _raw_topic(app, names.region_topic(region_name), partitions)
     # The router writes it without transactions: no holes, so commits may wait for

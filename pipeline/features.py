@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
+from connectors.settings import TableSettings
 from edge_cache import Delete, Feature, FeatureSchema, Position, Schedule, Upsert
 from pipeline.aggregates import Aggregate, AggregateRead
 from pipeline.exceptions import PoisonEventError
@@ -298,8 +299,15 @@ class _TableNeeds:
 class EntityEngine:
     """State updates and the vector of one entity type."""
 
-    def __init__(self, entity: EntitySettings) -> None:
+    def __init__(self, entity: EntitySettings, own_tables: Sequence[str] = ()) -> None:
         self.settings = entity
+        # A personal entity exists while its own row does (a user's row in users):
+        # deleting that row erases the entity, and rows that feed it without it
+        # (events of a user whose row is gone or not seen yet) are kept but not
+        # served. Empty: the entity exists while any row feeds it.
+        self.own_tables = (
+            tuple(t for t in own_tables if t in entity.tables) if entity.personal else ()
+        )
         self.non_finite = 0  # NaN/infinite values stored as missing (a metric reads it)
         features: list[Feature] = [Feature(f.name, f.dtype) for f in entity.latest]
         for aggregate in entity.aggregates:
@@ -729,6 +737,10 @@ class EntityEngine:
             not e[_DEL] for rows in state["rows"].values() for e in rows.values()
         ):
             return Delete(self.schema.entity, entity_id, position, commit_s)
+        if self.own_tables and not any(
+            not e[_DEL] for table in self.own_tables for e in state["rows"].get(table, {}).values()
+        ):
+            return Delete(self.schema.entity, entity_id, position, commit_s)
         if now_ms is None:
             now_ms = int(time.time() * 1000)
         values, schedule = self.schedule(state, now_ms)
@@ -738,8 +750,23 @@ class EntityEngine:
 class FeatureEngine:
     """The engines of every entity type."""
 
-    def __init__(self, entities: Iterable[EntitySettings]) -> None:
-        self.entities = {e.name: EntityEngine(e) for e in entities}
+    def __init__(
+        self,
+        entities: Iterable[EntitySettings],
+        tables: Mapping[str, TableSettings] | None = None,
+    ) -> None:
+        """Args:
+        tables: The captured tables: with them, a personal entity is served only
+            while its own row exists (its own table: the one keyed by its id).
+        """
+        tables = tables or {}
+        self.entities = {
+            e.name: EntityEngine(
+                e,
+                [t for t, column in e.tables.items() if t in tables and tables[t].key == [column]],
+            )
+            for e in entities
+        }
 
     @property
     def schemas(self) -> list[FeatureSchema]:

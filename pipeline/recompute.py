@@ -73,7 +73,7 @@ def expected_vectors(
     if at_ms is None:
         at_ms = int(time_module.time() * 1000)
     router = Router(entities, tables, regions)
-    engines = {region: FeatureEngine(entities) for region in regions}
+    engines = {region: FeatureEngine(entities, tables) for region in regions}
     states: dict[str, dict[str, EntityState]] = {region: {} for region in regions}
     ids: dict[str, dict[str, Any]] = {region: {} for region in regions}
     lsn = 0
