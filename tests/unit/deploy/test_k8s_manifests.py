@@ -775,3 +775,21 @@ def test_scraped_series_carry_the_job_names_the_alerts_use(
                     assert label in labels, f"{overlay}: Service/{service['metadata']['name']}"
                     if labels["app.kubernetes.io/name"] == "exporter":
                         assert f'job="{labels[label]}"' in alerts
+
+
+def test_the_deploy_command_writes_then_checks(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    base = ["--settings", str(SETTINGS), "deploy", "k8s", "--out", str(tmp_path / "k8s")]
+    base += ["--alerts", str(ALERTS), "--dashboard", str(DASHBOARD)]
+    stale = runner.invoke(app, [*base, "--check"])
+    assert stale.exit_code == 1
+    assert "missing: overlays/eu-west/kustomization.yaml" in stale.output
+    wrote = runner.invoke(app, base)
+    assert wrote.exit_code == 0, wrote.output
+    assert (tmp_path / "k8s" / "base" / "common" / "edgefeed.yaml").read_text() == (
+        SETTINGS.read_text()
+    )
+    fresh = runner.invoke(app, [*base, "--check"])
+    assert fresh.exit_code == 0 and "up to date" in fresh.output
