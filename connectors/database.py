@@ -46,7 +46,7 @@ def _connect(database: DatabaseSettings) -> psycopg.Connection[tuple[object, ...
     try:
         return psycopg.connect(database.dsn(), autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
-        reason = redact(str(exc).strip(), [database.secret()])
+        reason = redact(str(exc).strip(), database.secrets())
         raise SourceValidationError(
             f"cannot connect to the source database {database.user}@{database.host}:"
             f"{database.port}/{database.dbname}: {reason}; check the database settings"
@@ -149,17 +149,14 @@ def prepare_replication_role(database: DatabaseSettings, sources: Sequence[Sourc
     Idempotent; a no-op without ``database.replication``.
 
     Raises:
+        SecretSourceError: the role's (or the database's) ``password_file`` or
+            ``password_env`` gives no password; checked before connecting.
         SourceValidationError: the database cannot be reached, or refused a statement.
     """
     role = database.replication
     if role is None:
         return
-    password = role.secret()
-    if not password:
-        raise SourceValidationError(
-            f"the password of replication user {role.user!r} is empty or unreadable; "
-            "check database.replication's password, password_env or password_file"
-        )
+    password = role.secret()  # never empty: its source gives one, or this raises
     name = sql.Identifier(role.user)
     verifier = sql.Literal(scram_verifier(password))
     attributes = sql.SQL("LOGIN REPLICATION NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS")

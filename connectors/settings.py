@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -63,6 +63,7 @@ class ReplicationRoleSettings(PasswordFields):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    setting_path: ClassVar[str | None] = "database.replication"
 
     user: str = "edgefeed_cdc"
 
@@ -112,6 +113,7 @@ class DatabaseSettings(PasswordFields):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    setting_path: ClassVar[str | None] = "database"
 
     host: str = "127.0.0.1"
     port: int = Field(default=5432, ge=1, le=65535)
@@ -127,10 +129,12 @@ class DatabaseSettings(PasswordFields):
         return self
 
     def secrets(self) -> list[str]:
-        """Every password these settings hold (the database's, the replication role's)."""
-        found = [self.secret()]
+        """Every password these settings hold that can be read now (the database's, the
+        replication role's): what to mask in output. A source that cannot be read is
+        left out, not an error: a process that does not connect need not have it."""
+        found = [self.secret_for_redaction()]
         if self.replication is not None:
-            found.append(self.replication.secret())
+            found.append(self.replication.secret_for_redaction())
         return [s for s in found if s]
 
     def provider_references(self) -> tuple[list[str], list[Path]]:
@@ -156,7 +160,11 @@ class DatabaseSettings(PasswordFields):
         return self.password.get_secret_value()
 
     def dsn(self) -> str:
-        """A libpq connection string, each value quoted (contains the password: never log it)."""
+        """A libpq connection string, each value quoted (contains the password: never log it).
+
+        Raises:
+            SecretSourceError: ``password_file`` or ``password_env`` gives no password.
+        """
         from psycopg.conninfo import make_conninfo  # psycopg only when a connection is made
 
         return make_conninfo(

@@ -139,13 +139,18 @@ class RegionSettings(BaseModel):
 
         Pass them with the URL: ``redis.Redis.from_url(region.redis_url,
         **region.redis_options("reader"))``. The result holds the password:
-        never log it.
+        never log it. The password is read from its source now, when a client is
+        built: only the roles a process uses need their secret.
+
+        Raises:
+            SecretSourceError: the role's ``password_file`` or ``password_env``
+                gives no password (named as ``regions[NAME].ROLE.password_file``).
         """
         options: dict[str, Any] = {}
         user = self.reader if role == "reader" else self.writer
         if user is not None:
             options["username"] = user.username
-            options["password"] = user.secret()
+            options["password"] = user.secret(f"regions[{self.name}].{role}")
         if self.tls is not None:
             tls = self.tls
             options["ssl_check_hostname"] = tls.check_hostname

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import ssl
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
@@ -410,7 +410,9 @@ class KafkaSecuritySettings(PasswordFields):
     aiokafka admin and monitor clients, and the Kafka Connect worker's config
     (:meth:`java_properties`). The password is a secret, given one way:
     ``password`` (usually ``${ENV}``-expanded), ``password_env`` or
-    ``password_file``.
+    ``password_file``; it is read when a client's options are built, and a source
+    that gives none raises ``edgefeed_base.secrets.SecretSourceError`` naming
+    ``kafka.security.password_file`` (or ``_env``).
 
     Attributes:
         protocol: Kafka's ``security.protocol``.
@@ -423,6 +425,7 @@ class KafkaSecuritySettings(PasswordFields):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    setting_path: ClassVar[str | None] = "kafka.security"
 
     protocol: KafkaProtocol = "PLAINTEXT"
     sasl_mechanism: SaslMechanism | None = None

@@ -51,17 +51,21 @@ def settings_of(ctx: typer.Context) -> EdgefeedSettings:
     """Load the settings named by ``--settings`` (or the defaults), reporting errors cleanly.
 
     The settings' secrets are remembered so that :func:`fail` redacts them from
-    any error, whichever package raised it.
+    any error, whichever package raised it: those that can be read now. One that
+    cannot is no error here (a command that never uses it must run without it);
+    the component that needs it raises ``SecretSourceError`` naming the setting.
     """
     from edgefeed.settings import load_settings, secrets_of  # imports every domain's settings
 
     settings = run_reported(lambda: load_settings(settings_path_of(ctx)))
-    # SecretStr fields dump as "****"; their values come from database.secret().
+    # SecretStr fields dump as "****"; the values come from their sources.
     _SECRETS.update(s for s in secrets_of(settings.model_dump(mode="json")) if s.strip("*"))
     _SECRETS.update(settings.database.secrets())
-    _SECRETS.add(settings.kafka.security.secret())
+    _SECRETS.add(settings.kafka.security.secret_for_redaction())
     for region in settings.regions:
-        _SECRETS.update(u.secret() for u in (region.reader, region.writer) if u is not None)
+        _SECRETS.update(
+            u.secret_for_redaction() for u in (region.reader, region.writer) if u is not None
+        )
     _SECRETS.discard("")
     return settings
 

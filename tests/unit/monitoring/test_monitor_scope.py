@@ -27,6 +27,7 @@ from connectors.client import ConnectorStatus, TaskStatus
 from edgefeed.cli import app
 from edgefeed.cli.monitoring import build_config
 from edgefeed.settings import load_settings
+from edgefeed_base.errors import EdgefeedError
 from monitoring import (
     Monitor,
     MonitorConfig,
@@ -370,7 +371,7 @@ def _settings_file(tmp_path: Path) -> Path:
                 "kafka": {"bootstrap_servers": "kafka:9092"},
                 "connect": {"url": "http://connect:8083"},
                 # Not mounted in a region's namespace: a region scope must not need it.
-                "database": {"host": "postgres", "password_file": str(tmp_path / "absent")},
+                "database": {"host": "postgres", "password_file": str(tmp_path / "pg_password")},
                 "regions": [
                     {"name": r, "redis_url": f"redis://redis-{r}:6379/0", "residency_zone": r}
                     for r in REGIONS
@@ -393,9 +394,13 @@ def test_the_cli_gives_a_region_scope_no_database_nor_connect(
     from connectors.settings import DatabaseSettings
 
     settings = load_settings(_settings_file(tmp_path))
+    with pytest.raises(EdgefeedError, match=r"database\.password_file .*does not exist"):
+        build_config(settings, state_dir=tmp_path, scope="central")  # central reads it
+    (tmp_path / "pg_password").write_text("pg-scope-test-pw\n")
     central = build_config(settings, state_dir=tmp_path, scope="central")
     assert central.database_dsn and central.connect_url == "http://connect:8083"
     assert central.links is not None and central.sources
+    (tmp_path / "pg_password").unlink()
 
     def no_dsn(self: DatabaseSettings) -> str:
         raise AssertionError("a region scope built the database DSN")
