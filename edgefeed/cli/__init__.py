@@ -19,6 +19,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from edgefeed import __version__
+from edgefeed_base.errors import EdgefeedError
 
 if TYPE_CHECKING:
     # Typer vendors click (0.2x); only the types are needed, and only by mypy.
@@ -120,6 +121,24 @@ class LazyGroup(TyperGroup):
         if self._listing and self.help_without_import:
             return TyperCommand(cmd_name, help=lazy.help)
         return _commands_of(lazy.module)[cmd_name]
+
+    def invoke(self, ctx: Context) -> object:
+        """Run the command; a secret it needs but cannot read ends it as ``fail`` does.
+
+        Every component reads its secrets when it is built, wherever a command
+        builds it (edgefeed_base.secrets): the message names the setting and the
+        file or variable, exit 2, instead of a traceback.
+        """
+        try:
+            return super().invoke(ctx)
+        except EdgefeedError as exc:
+            from edgefeed_base.secrets import SecretSourceError  # loaded: it was raised
+
+            if not isinstance(exc, SecretSourceError):
+                raise
+            from edgefeed.cli._common import fail
+
+            fail(exc)
 
     def format_help(self, ctx: Context, formatter: HelpFormatter) -> None:
         self._listing = True

@@ -129,6 +129,8 @@ def build_config(
 
     Raises:
         MonitoringConfigError: a bad scope, or a region scope naming no declared region.
+        SecretSourceError: a secret this scope reads (the database's for ``all`` and
+            ``central``, the reader's of each cache it reads, Kafka's) gives no password.
     """
     from connectors.config import notification_topic
     from monitoring import MonitorConfig, RegionTarget, Scope, SourceTarget
@@ -158,8 +160,13 @@ def build_config(
             if site.link is not None and r in settings.region_names
         },
         bootstrap_servers=tuple(settings.kafka.bootstrap_servers),
+        # The reader's password only for the caches this scope reads: a central
+        # exporter mounts no Redis secret, a region's only its own.
         regions=tuple(
-            RegionTarget(r.name, r.redis_url, r.redis_options("reader")) for r in settings.regions
+            RegionTarget(
+                r.name, r.redis_url, r.redis_options("reader") if parsed.owns(r.name) else {}
+            )
+            for r in settings.regions
         ),
         sources=tuple(
             SourceTarget(s.name, s.connector_name, s.effective_slot_name, notification_topic(s))

@@ -105,8 +105,15 @@ def run(
 
     settings = settings_of(ctx)
     if region is not None:
-        run_reported(lambda: settings.region(region))
-    config = run_reported(lambda: pipeline_config(settings, region=region))
+        region_settings = run_reported(lambda: settings.region(region))
+        # A regional worker writes its cache as the writer user: its password now, so a
+        # missing secret is one line naming the setting, not a crash inside Faust after
+        # joining the group. It never reads the database (a region's pod mounts no
+        # database secret and may not reach it): the router checks the feature columns.
+        run_reported(lambda: region_settings.redis_options("writer"))
+    config = run_reported(
+        lambda: pipeline_config(settings, check_database=region is None, region=region)
+    )
 
     import faust  # heavy: only when a worker starts
     from prometheus_client import REGISTRY
