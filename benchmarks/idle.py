@@ -14,6 +14,11 @@ another tree (``PYTHONPATH=<tree>``) for a before/after.
 
     .venv/bin/python benchmarks/idle.py               # ~3 minutes
     .venv/bin/python benchmarks/idle.py --seconds 10  # a quick look
+    .venv/bin/python benchmarks/idle.py --rate 500 --load-s 60  # then a load: CPU, peak memory
+
+The resident memory of each process tree is reported at idle, and with
+``--rate`` its peak (VmHWM) and CPU share under the demo shop's load: the
+figures docs/deploy.md sizes the containers' requests and limits from.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any
 # This folder holds files named like the packages they measure: keep it off the path.
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if p not in ("", _HERE)]
+
+import psycopg  # noqa: E402
 
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
@@ -82,7 +89,42 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def measure(settings_path: Path, state: Path, seconds: float, settle_s: float) -> dict[str, Any]:
+def tree_memory(pid: int) -> tuple[float, float]:
+    """Resident MB of ``pid``'s tree now, and the sum of its members' peaks (VmHWM)."""
+    rss = peak = 0.0
+    for member in tree(pid):
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        rss += int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+        peak += int(fields.get("VmHWM", "0 kB").split()[0]) / 1024
+    return round(rss, 1), round(peak, 1)
+
+
+def load(settings: Any, rate: float, seconds: float) -> int:
+    """The demo shop's changes at ``rate`` per second for ``seconds``; how many."""
+    shop = ShopLoad(settings.database.dsn(), settings.region_names)
+    written, tick = 0, 0.1
+    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            started = time.monotonic()
+            shop.write(conn, max(1, int(rate * tick)))
+            written += max(1, int(rate * tick))
+            time.sleep(max(0.0, tick - (time.monotonic() - started)))
+    return written
+
+
+def measure(
+    settings_path: Path,
+    state: Path,
+    seconds: float,
+    settle_s: float,
+    rate: float = 0.0,
+    load_s: float = 0.0,
+) -> dict[str, Any]:
     ports = free_ports(6)
     env = {
         "EDGEFEED_BROKER_PORT": str(ports[0]),
@@ -132,13 +174,39 @@ def measure(settings_path: Path, state: Path, seconds: float, settle_s: float) -
         time.sleep(seconds)
         elapsed = time.monotonic() - started
         after = {name: tree_cpu(pid) for name, pid in pids.items()}
+        idle_memory = {name: tree_memory(pid)[0] for name, pid in pids.items()}
+        loaded: dict[str, dict[str, float]] = {}
+        written = 0
+        if rate > 0 and load_s > 0:
+            # Then a load, for the sizing of containers (docs/deploy.md): CPU share
+            # and peak resident memory of each process under it.
+            cpu_before = {name: tree_cpu(pid) for name, pid in pids.items()}
+            started = time.monotonic()
+            written = load(settings, rate, load_s)
+            time.sleep(settle_s / 4)  # the pipeline drains what the load wrote
+            span = time.monotonic() - started
+            for name, pid in pids.items():
+                loaded[name] = {
+                    "core_share": round((tree_cpu(pid) - cpu_before[name]) / span, 4),
+                    "peak_mb": tree_memory(pid)[1],
+                }
     finally:
         stack.down()
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name in pids:
         used = after[name] - before[name]
-        rows[name] = {"cpu_s": round(used, 3), "core_share": round(used / elapsed, 4)}
-    return {"seconds": round(elapsed, 1), "processes": rows, "apps": apps}
+        rows[name] = {
+            "cpu_s": round(used, 3),
+            "core_share": round(used / elapsed, 4),
+            "rss_mb": idle_memory[name],
+            **({"load": loaded[name]} if name in loaded else {}),
+        }
+    return {
+        "seconds": round(elapsed, 1),
+        "processes": rows,
+        "apps": apps,
+        "load": {"rate": rate, "seconds": load_s, "changes": written} if loaded else None,
+    }
 
 
 def main() -> None:
@@ -148,12 +216,18 @@ def main() -> None:
     parser.add_argument(
         "--settings", type=Path, default=ROOT / "examples" / "edgefeed.yaml", help="settings"
     )
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="then a load of this many changes/s (0: none)"
+    )
+    parser.add_argument("--load-s", type=float, default=60.0, help="seconds of that load")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="edgefeed-bench-idle-"))
     state.chmod(0o755)
     try:
-        report = measure(args.settings.resolve(), state, args.seconds, args.settle)
+        report = measure(
+            args.settings.resolve(), state, args.seconds, args.settle, args.rate, args.load_s
+        )
     finally:
         shutil.rmtree(state, ignore_errors=True)
     report["machine"] = (
@@ -169,7 +243,21 @@ def main() -> None:
         verdict = ""
         if target:
             verdict = "  ok" if row["core_share"] < TARGET_SHARE else "  OVER the 1% target"
-        print(f"  {name:22s} {row['cpu_s']:7.2f} s  {100 * row['core_share']:5.2f}%{verdict}")
+        print(
+            f"  {name:22s} {row['cpu_s']:7.2f} s  {100 * row['core_share']:5.2f}%"
+            f"  {row['rss_mb']:7.1f} MB{verdict}"
+        )
+    if report["load"]:
+        load = report["load"]
+        print(
+            f"under {load['changes']} changes at {load['rate']:.0f}/s for {load['seconds']:.0f} s"
+            " (share of one core, peak resident MB of the process tree):"
+        )
+        for name, row in report["processes"].items():
+            print(
+                f"  {name:22s} {100 * row['load']['core_share']:6.1f}%"
+                f"  {row['load']['peak_mb']:7.1f} MB"
+            )
 
 
 if __name__ == "__main__":
