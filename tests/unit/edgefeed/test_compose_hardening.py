@@ -29,7 +29,7 @@ SECRETS = {
     "redis-eu-west": {"redis_lookup_password", "redis_writer_password"},
     "redis-us-east": {"redis_lookup_password", "redis_writer_password"},
     "redis-ap-southeast": {"redis_lookup_password", "redis_writer_password"},
-    "router": set(),
+    "router": {"pg_password"},
     "worker-eu-west": {"redis_writer_password"},
     "worker-us-east": {"redis_writer_password"},
     "worker-ap-southeast": {"redis_writer_password"},
