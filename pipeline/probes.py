@@ -17,6 +17,7 @@ I/O, so the decisions are unit-tested with plain values
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -190,7 +191,7 @@ class RegionReadiness:
                 return False, "recovered; waiting for the first offsets of its partitions"
             silent = now - self._observed_at
             if silent > self.max_behind_s:
-                return False, f"no progress report for {silent:.1f} s (event loop blocked?)"
+                return False, f"no progress report for {_tenths_up(silent)} s (event loop blocked?)"
             worst: tuple[float, int, int] | None = None  # (seconds behind, partition, waiting)
             for partition in sorted(self._partitions):
                 mark = self._marks.get(partition)
@@ -218,8 +219,15 @@ class RegionReadiness:
             behind, partition, waiting = worst
             detail = f"partition {partition}, {_plural(waiting, 'message')} waiting"
             if behind > self.max_behind_s:
-                return False, f"behind: {behind:.1f} s ({detail}; bound {self.max_behind_s:g} s)"
+                bound = f"bound {self.max_behind_s:g} s"
+                return False, f"behind: {_tenths_up(behind)} s ({detail}; {bound})"
             return True, f"ready: {owned}, behind {behind:.1f} s at most ({detail})"
+
+
+def _tenths_up(seconds: float) -> str:
+    """``seconds`` in tenths, rounded up: a time over the bound is shown over it
+    (2.04 s past a 2 s bound read "2.0 s" when rounded to the nearest tenth)."""
+    return f"{math.ceil(round(seconds * 10, 6)) / 10:.1f}"
 
 
 def _plural(count: int, noun: str) -> str:

@@ -141,6 +141,22 @@ def test_a_stalled_worker_becomes_not_ready_once_past_the_bound() -> None:
     assert not ok and reason.startswith("behind: 40.0 s"), reason
 
 
+def test_the_seconds_shown_past_the_bound_are_past_it() -> None:
+    # 2.04 s behind a 2 s bound once read "behind: 2.0 s (...; bound 2 s)": tenths
+    # are rounded up when not ready.
+    readiness, clock = worker(max_behind_s=2.0)
+    readiness.recovered([0])
+    readiness.observe({0: PartitionMarks(9, committed=5, taken=5, newest_commit_s=NOW)})
+    clock.now += 2.04
+    readiness.observe({0: PartitionMarks(9, committed=5, taken=5, newest_commit_s=NOW)})
+    assert readiness.check() == (
+        False,
+        "behind: 2.1 s (partition 0, 4 messages waiting; bound 2 s)",
+    )
+    clock.now += 2.01  # and no report since
+    assert readiness.check() == (False, "no progress report for 2.1 s (event loop blocked?)")
+
+
 def test_no_report_for_longer_than_the_bound_is_not_ready() -> None:
     readiness, clock = worker(max_behind_s=30.0)
     readiness.recovered([0])
