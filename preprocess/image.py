@@ -33,7 +33,7 @@ from preprocess.exceptions import (
     PreprocessError,
     UnsupportedInputError,
 )
-from preprocess.jpeg import check_jpeg
+from preprocess.jpeg import JpegStructure, check_jpeg, load_jpeg
 from preprocess.limits import DEFAULT_LIMITS, Limits
 from preprocess.profiles import ImageProfile
 
@@ -68,8 +68,6 @@ _OTHER_FORMATS = (
 _STORED_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "LA": 4, "PA": 4}
 # Rows of pixels converted at a time from 16 bits to 8: bounds the temporaries.
 _CONVERT_ROWS = 256
-# Bytes inserted before the EOI marker to tell a complete JPEG from a cut one.
-_FILLER = bytes(range(1, 255)) * 2
 # Errors Pillow's decoders raise on damaged input.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error)
 
@@ -109,7 +107,7 @@ def _check_bytes(data: bytes | bytearray | memoryview, limits: Limits) -> bytes:
     return bytes(data)
 
 
-def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int]:
+def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int, JpegStructure | None]:
     """Parse the header only; check format and declared pixel count."""
     try:
         with warnings.catch_warnings():
@@ -151,15 +149,14 @@ def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int]:
             f"decoded, over the limit of {limits.max_image_bytes} (Limits.max_image_bytes); "
             "refused before decoding"
         )
-    if image.format in ("JPEG", "MPO"):
-        check_jpeg(data, limits)
+    structure = check_jpeg(data, limits) if image.format in ("JPEG", "MPO") else None
     try:
         orientation = int(image.getexif().get(0x0112, 1))
     except _DECODE_ERRORS:
         orientation = 1  # an unreadable EXIF block is not worth refusing the image for
     if not 1 <= orientation <= 8:
         orientation = 1
-    return image, orientation
+    return image, orientation, structure
 
 
 def probe_image(
@@ -170,7 +167,7 @@ def probe_image(
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
-    image, orientation = _open(_check_bytes(data, limits), limits)
+    image, orientation, _ = _open(_check_bytes(data, limits), limits)
     width, height = image.size
     if orientation in _TRANSPOSED:
         width, height = height, width
@@ -194,55 +191,20 @@ def _orient(image: Image.Image, orientation: int) -> Image.Image:
     return image if method is None else image.transpose(method)
 
 
-def _load(image: Image.Image, data: bytes) -> None:
+def _load(image: Image.Image, data: bytes, structure: JpegStructure | None) -> None:
     try:
-        image.load()
+        if structure is not None:
+            load_jpeg(image, data, structure)  # type: ignore[arg-type]
+        else:
+            image.load()
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(str(exc)) from None
+    except PreprocessError:
+        raise
     except _DECODE_ERRORS as exc:
         raise CorruptInputError(
             f"image data is truncated or damaged ({exc}); re-encode or resend the file"
         ) from None
-    if image.format in ("JPEG", "MPO") and _grey_tail(image) and _cut_short(data):
-        raise CorruptInputError(
-            "JPEG data stops before the image does (an end-of-image marker cuts a scan "
-            "short; the rest would be grey fill); resend the whole file"
-        )
-
-
-def _grey_tail(image: Image.Image) -> bool:
-    """True when the last pixel is exactly mid-grey: what libjpeg fills a cut scan with.
-
-    The last block is always among the blocks a cut file lacks.
-    """
-    if image.mode not in ("L", "RGB") or image.width == 0 or image.height == 0:
-        return False
-    last = image.getpixel((image.width - 1, image.height - 1))
-    values = last if isinstance(last, tuple) else (last,)
-    return all(value == 128 for value in values)
-
-
-def _cut_short(data: bytes) -> bool:
-    """Decode twice, the second time with bytes inserted before the EOI marker.
-
-    Bytes after a complete scan are skipped by libjpeg (extraneous data), so a
-    whole file decodes the same; a cut scan decodes them as image data. Only
-    run for files whose last pixel is grey fill, so ordinary files pay nothing.
-    """
-    end = data.rfind(b"\xff\xd9")
-    if end < 0:
-        return False
-    padded = data[:end] + _FILLER + data[end:]
-    try:
-        with Image.open(io.BytesIO(data), formats=_FORMATS) as first:
-            first.load()
-            whole = np.asarray(first)
-        with Image.open(io.BytesIO(padded), formats=_FORMATS) as second:
-            second.load()
-            again = np.asarray(second)
-    except _DECODE_ERRORS:
-        return True
-    return whole.shape != again.shape or not np.array_equal(whole, again)
 
 
 _GREY = frozenset({"1", "L", "I;16", "I;16B", "I;16L", "I"})
@@ -290,8 +252,8 @@ def decode_image(
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
     raw = _check_bytes(data, limits)
-    image, orientation = _open(raw, limits)
-    _load(image, raw)
+    image, orientation, structure = _open(raw, limits)
+    _load(image, raw, structure)
     image = _to_mode(_orient(image, orientation), mode)
     array = np.asarray(image, dtype=np.uint8)
     return array[:, :, None] if array.ndim == 2 else array
@@ -349,14 +311,14 @@ def _geometry_reference(image: Image.Image, profile: ImageProfile) -> Image.Imag
 
 
 def _pixels_reference(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
-    image, orientation = _open(data, limits)
-    _load(image, data)
+    image, orientation, structure = _open(data, limits)
+    _load(image, data, structure)
     image = _to_mode(_orient(image, orientation), _work_mode(image, profile.mode))
     return _to_mode(_geometry_reference(image, profile), profile.mode)
 
 
 def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
-    image, orientation = _open(data, limits)
+    image, orientation, structure = _open(data, limits)
     stored_w, stored_h = image.size
     width, height = (stored_h, stored_w) if orientation in _TRANSPOSED else (stored_w, stored_h)
     resized = _resized_size(width, height, profile)
@@ -374,7 +336,7 @@ def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Im
             # The box is the original image inside the scaled one: its width is
             # stored_w / scale, the DCT scale factor (1, 2, 4 or 8).
             scale = stored_w / drafted[1][2]
-    _load(image, data)
+    _load(image, data, structure)
     image = _to_mode(_orient(image, orientation), _work_mode(image, profile.mode))
     factor = 1.0 / scale
     crop = _crop_box(resized, profile)

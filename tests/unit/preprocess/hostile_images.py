@@ -11,10 +11,37 @@ from PIL import Image
 _SEGMENT_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 
-def jpeg(pixels: np.ndarray, *, progressive: bool = False, quality: int = 90) -> bytes:
+def jpeg(
+    pixels: np.ndarray,
+    *,
+    progressive: bool = False,
+    quality: int = 90,
+    mode: str | None = None,
+    **options: object,
+) -> bytes:
+    image = Image.fromarray(pixels)
+    if mode is not None:
+        image = image.convert(mode)
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "JPEG", quality=quality, progressive=progressive)
+    image.save(out, "JPEG", quality=quality, progressive=progressive, **options)
     return out.getvalue()
+
+
+def as_ycck(data: bytes) -> bytes:
+    """A CMYK JPEG from Pillow relabelled YCCK (Adobe APP14 transform 2).
+
+    libjpeg then decodes its scans as YCCK and converts them to CMYK, the path a
+    YCCK file from Photoshop takes; the colours are not the original's.
+    """
+    at = data.index(b"Adobe")
+    relabelled = bytearray(data)
+    relabelled[at + 11] = 2
+    return bytes(relabelled)
+
+
+def scan_data_end(data: bytes) -> int:
+    """Offset just past the last scan's entropy-coded data (where EOI starts)."""
+    return len(data) - len(_scan_units(data)[2])
 
 
 def cut_with_eoi(data: bytes, fraction: float) -> bytes:
