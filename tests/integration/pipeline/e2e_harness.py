@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,15 @@ class PipelineRun:
     def table(self, name: str) -> str:
         return f"{self.schema}.{name}"
 
-    def start(self, name: str, region: str | None = None) -> None:
+    def start(self, name: str, region: str | None = None, extra: Sequence[str] = ()) -> None:
         """Start ``router`` or a region's worker (``name``, or another worker of
         ``region`` called ``name``); returns once it reports ready."""
+        self.wait_started(name, self.spawn(name, region, extra))
+
+    def spawn(self, name: str, region: str | None = None, extra: Sequence[str] = ()) -> int:
+        """Start the process as :meth:`start` does (with ``extra`` options of
+        ``pipeline run``) without waiting; returns where its run begins in its log
+        (for :meth:`wait_started`)."""
         args = ["--role", "router"] if name == "router" else ["--region", region or name]
         log = self.logs / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0
@@ -68,12 +74,21 @@ class PipelineRun:
                     *args,
                     "--loglevel",
                     "info",
+                    *extra,
                 ],
                 cwd=self.logs,  # Faust's data folder goes here, not into the checkout
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        return offset
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")[-chars:]
+
+    def wait_started(self, name: str, offset: int) -> None:
+        """Wait until ``name``'s run, from ``offset`` of its log, reports ready."""
+        log = self.logs / f"{name}.log"
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline:
             text = log.read_bytes()[offset:].decode(errors="replace")
