@@ -2,7 +2,7 @@
 the faults an operator's worst day brings, each followed by a check of every vector
 in every region against a recomputation from PostgreSQL (``edgefeed pipeline verify``).
 
-    .venv/bin/python scripts/fault_suite.py            # every fault (make faults), ~8 min
+    .venv/bin/python scripts/fault_suite.py            # every fault (make faults), ~9 min
     .venv/bin/python scripts/fault_suite.py --short    # four faults, ~3 min (a CI test runs it)
 
 For each fault: load runs (``--rate`` changes/s through the demo shop), the fault
@@ -11,8 +11,9 @@ change written after the fault is in every region's cache ("recovered in s", fro
 the fault) and until the caches equal the recomputation. Then it reports, from
 the differences it still finds: lost (a count or sum below the recomputation, or a
 vector missing), double-counted (above it), leaked (a vector where residency says it
-must not be), and the dead letters the fault produced. Exit 0 when no fault lost,
-double-counted, leaked anything or left a feature wrong.
+must not be), the dead letters the fault produced, and, for the faults that restart
+no pipeline process, any that crashed. Exit 0 when no fault lost, double-counted,
+leaked anything, left a feature wrong or crashed a process.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import psycopg  # noqa: E402
 import redis  # noqa: E402
 import yaml  # noqa: E402
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # noqa: E402
+from aiokafka.admin import AIOKafkaAdminClient  # noqa: E402
 
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
@@ -63,6 +65,13 @@ from pipeline.topics import ensure_topics  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 REGIONS = (("eu-west", "eu"), ("us-east", "us"), ("ap-southeast", "apac"))
+# Faults that restart no pipeline process: any that died or was replaced crashed.
+STEADY = {
+    "pause Redis eu-west 6 s",
+    "hostile Debezium events",
+    "oversize changes (2 MB, shared and personal)",
+    "dead-letter topics unavailable 6 s",
+}
 COUNTS = ("views_30m", "clicks_30m", "carts_1h", "purchases_today", "views_1h", "purchases_1h")
 
 
@@ -162,6 +171,9 @@ class Outcome:
     dead_lettered: int
     rebuild_shown: bool  # a region's cache listed a history rebuild while it settled
     examples: list[str]
+    # Pipeline processes that died or were replaced during a fault that restarts
+    # none (a crash loop shows here): 0 expected.
+    crashed: int = 0
 
 
 class Suite:
@@ -176,6 +188,7 @@ class Suite:
         self.probe = 0
         self.lineage = 0  # new deployments made by the "retention passed" fault
         self.rebuild_shown = False
+        self.dead_reset = False  # a fault recreated the dead-letter topics
 
     # -- set-up
 
@@ -287,9 +300,19 @@ class Suite:
             time.sleep(1.0)
         return recovered, mismatches
 
+    def app_pids(self) -> dict[str, int | None]:
+        """The router's and the regional workers' process ids (None: not running)."""
+        pids: dict[str, int | None] = {}
+        for app in ("router", *self.regions):
+            record = read_pid(self.stack.pid_path(f"{self.stack._APP_PREFIX}{app}"))
+            pids[app] = record.pid if record is not None and record.alive() else None
+        return pids
+
     def run_fault(self, name: str, inject: Callable[[], None], deadline_s: float) -> Outcome:
         dead_before = self.dead_letters()
+        pids_before = self.app_pids()
         self.rebuild_shown = False
+        self.dead_reset = False
         self.load.start()
         time.sleep(self.load_s / 2)
         fault_at = time.monotonic()
@@ -316,10 +339,15 @@ class Suite:
             f"found {m.found!r}"
             for m in mismatches[:5]
         ]
+        crashed = 0
+        if name in STEADY:
+            after = self.app_pids()
+            crashed = sum(1 for app, pid in pids_before.items() if pid is None or after[app] != pid)
         return Outcome(
             name, recovered, lost, double, leaked, wrong,
-            max(0, self.dead_letters() - dead_before),  # a lost broker starts from 0
-            self.rebuild_shown, examples,
+            # A lost broker or recreated topics start from 0.
+            self.dead_letters() if self.dead_reset else max(0, self.dead_letters() - dead_before),
+            self.rebuild_shown, examples, crashed,
         )  # fmt: skip
 
     # -- the faults
@@ -386,6 +414,23 @@ class Suite:
         def poison() -> None:
             asyncio.run(self.send_poison())
 
+        def oversize() -> None:
+            asyncio.run(self.send_poison(oversize_only=True))
+
+        def dead_letters_unavailable() -> None:
+            # The dead-letter topics are deleted, poison arrives, and the topics come
+            # back 6 s later: the router waits (retrying as a pointer, with backoff)
+            # instead of crash-looping or dropping the dead letters.
+            names = self.settings.pipeline.names
+            topics = names.dead_letter_topics(self.regions)
+            asyncio.run(self.delete_topics(topics))
+            self.dead_reset = True  # the topics count from 0 again
+            asyncio.run(self.send_poison())
+            time.sleep(6)
+            asyncio.run(
+                ensure_topics(self.settings.kafka.bootstrap_servers, dict.fromkeys(topics, 1))
+            )
+
         def retention_passed() -> None:
             # The stream's history begins after rows the windows need, as when a topic's
             # retention is shorter than the longest window: a new deployment (a new
@@ -442,6 +487,8 @@ class Suite:
         ]
         if not short:
             chosen += [
+                ("oversize changes (2 MB, shared and personal)", oversize),
+                ("dead-letter topics unavailable 6 s", dead_letters_unavailable),
                 ("kill -9 worker us-east", restart_app("us-east")),
                 ("kill -9 worker ap-southeast", restart_app("ap-southeast")),
                 ("kill -9 Redis us-east (data lost)", restart_service("redis-us-east")),
@@ -462,7 +509,15 @@ class Suite:
             ]
         return chosen
 
-    async def send_poison(self) -> None:
+    async def delete_topics(self, topics: list[str]) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka.bootstrap_servers)
+        await admin.start()
+        try:
+            await admin.delete_topics(topics)
+        finally:
+            await admin.close()
+
+    async def send_poison(self, oversize_only: bool = False) -> None:
         topic = self.settings.sources[0].topic_for("public.users")
         events = self.settings.sources[0].topic_for("public.events")
         items = self.settings.sources[0].topic_for("public.items")
@@ -508,6 +563,8 @@ class Suite:
                 },
             ),
         ]
+        if oversize_only:
+            corpus = corpus[-2:]
         producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka.bootstrap_servers, max_request_size=2**22
         )
@@ -567,11 +624,11 @@ def main() -> int:
         print(json.dumps([asdict(o) for o in outcomes], indent=2))
     else:
         header = ("fault", "recovered in s", "lost", "double-counted", "leaked", "wrong",
-                  "dead-lettered", "rebuilding shown")  # fmt: skip
+                  "dead-lettered", "rebuilding shown", "crashed")  # fmt: skip
         rows = [
             (o.fault, "not recovered" if o.recovered_s is None else f"{o.recovered_s:.1f}",
              str(o.lost), str(o.double_counted), str(o.leaked), str(o.wrong),
-             str(o.dead_lettered), "yes" if o.rebuild_shown else "no")
+             str(o.dead_lettered), "yes" if o.rebuild_shown else "no", str(o.crashed))
             for o in outcomes
         ]  # fmt: skip
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -580,7 +637,7 @@ def main() -> int:
     bad = [
         o
         for o in outcomes
-        if o.recovered_s is None or o.lost or o.double_counted or o.leaked or o.wrong
+        if o.recovered_s is None or o.lost or o.double_counted or o.leaked or o.wrong or o.crashed
     ]
     return 1 if bad else 0
 
