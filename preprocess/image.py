@@ -10,7 +10,10 @@ Two paths give the same geometry:
 * the reference path decodes every pixel, resizes the whole image, crops.
 
 They agree within the tolerance stated in docs/preprocess.md and enforced by
-tests/unit/preprocess/test_parity.py.
+tests/unit/preprocess/test_preprocess_parity*.py.
+
+Every path is planned before a pixel is decoded: its peak memory, from the
+header (:mod:`preprocess.footprint`), must fit ``Limits.max_image_bytes``.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from preprocess.exceptions import (
     PreprocessError,
     UnsupportedInputError,
 )
+from preprocess.footprint import DecodeCost, Plan, resample_bytes, stored_bytes
 from preprocess.jpeg import JpegStructure, check_jpeg, load_jpeg
 from preprocess.limits import DEFAULT_LIMITS, Limits
+from preprocess.pixels import GREY_MODES, TRANSPOSED, orient, to_array, to_mode
 from preprocess.profiles import ImageProfile
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
 
 # The JPEG opener also returns MPO (multi-picture JPEG from cameras) images.
 _FORMATS = ("JPEG", "PNG", "WEBP")
+_JPEG = ("JPEG", "MPO")
 _RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
     "box": Image.Resampling.BOX,
@@ -55,8 +61,6 @@ _RESAMPLE = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
-# EXIF orientations 5-8 swap width and height.
-_TRANSPOSED = frozenset({5, 6, 7, 8})
 _OTHER_FORMATS = (
     (b"GIF8", "GIF"),
     (b"BM", "BMP"),
@@ -64,10 +68,6 @@ _OTHER_FORMATS = (
     (b"MM\x00*", "TIFF"),
     (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
 )
-# Bytes per pixel Pillow keeps for each mode (RGB and LA are padded to 4).
-_STORED_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "LA": 4, "PA": 4}
-# Rows of pixels converted at a time from 16 bits to 8: bounds the temporaries.
-_CONVERT_ROWS = 256
 # Errors Pillow's decoders raise on damaged input.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error)
 
@@ -91,6 +91,21 @@ class ImageInfo:
     orientation: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """An image whose header passed the checks, not yet decoded."""
+
+    image: Image.Image
+    orientation: int
+    jpeg: JpegStructure | None
+
+    def cost(self) -> DecodeCost:
+        """What decoding costs at the image's current (possibly DCT-scaled) size."""
+        width, height = self.image.size
+        coefficients = self.jpeg.coefficient_bytes if self.jpeg is not None else 0
+        return DecodeCost.of(str(self.image.format), width, height, self.image.mode, coefficients)
+
+
 def _check_bytes(data: bytes | bytearray | memoryview, limits: Limits) -> bytes:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise UnsupportedInputError(
@@ -107,8 +122,8 @@ def _check_bytes(data: bytes | bytearray | memoryview, limits: Limits) -> bytes:
     return bytes(data)
 
 
-def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int, JpegStructure | None]:
-    """Parse the header only; check format and declared pixel count."""
+def _open(data: bytes, limits: Limits) -> _Opened:
+    """Parse the header only; check format, declared pixel count and JPEG markers."""
     try:
         with warnings.catch_warnings():
             # Pillow warns (or raises past 2x) for canvases over its own global
@@ -142,21 +157,39 @@ def _open(data: bytes, limits: Limits) -> tuple[Image.Image, int, JpegStructure 
             f"image declares {width}x{height} = {width * height} pixels, over the limit of "
             f"{limits.max_pixels} (Limits.max_pixels); refused before decoding"
         )
-    working = width * height * (_STORED_BYTES.get(image.mode, 4) + 3)
-    if working > limits.max_image_bytes:
-        raise DecompressionBombError(
-            f"image of {width}x{height} {image.mode} pixels needs about {working} bytes "
-            f"decoded, over the limit of {limits.max_image_bytes} (Limits.max_image_bytes); "
-            "refused before decoding"
-        )
-    structure = check_jpeg(data, limits) if image.format in ("JPEG", "MPO") else None
+    structure = check_jpeg(data, limits) if image.format in _JPEG else None
     try:
         orientation = int(image.getexif().get(0x0112, 1))
     except _DECODE_ERRORS:
         orientation = 1  # an unreadable EXIF block is not worth refusing the image for
     if not 1 <= orientation <= 8:
         orientation = 1
-    return image, orientation, structure
+    return _Opened(image, orientation, structure)
+
+
+def _check_budget(opened: _Opened, plan: Plan, limits: Limits, what: str) -> None:
+    """Refuse, before decoding, a path whose peak memory would pass ``max_image_bytes``."""
+    peak = plan.peak()
+    if peak.bytes > limits.max_image_bytes:
+        image = opened.image
+        width, height = image.size
+        kind = str(image.format)
+        if opened.jpeg is not None and opened.jpeg.coefficient_bytes:
+            kind += ", progressive" if opened.jpeg.progressive else ", multi-scan"
+        raise DecompressionBombError(
+            f"image of {width}x{height} {image.mode} pixels needs about {peak.bytes} bytes "
+            f"to {what} ({kind}; peak while {peak.name}), over the limit of "
+            f"{limits.max_image_bytes} (Limits.max_image_bytes); refused before decoding: "
+            "send a smaller image or raise the limit"
+        )
+
+
+def _plan_decode(opened: _Opened, mode: str) -> Plan:
+    cost = opened.cost()
+    plan = Plan.start(cost)
+    channels = 1 if mode == "L" else len(mode)
+    plan.add("copying out", cost.pixels + cost.width * cost.height * channels)
+    return plan
 
 
 def probe_image(
@@ -164,37 +197,25 @@ def probe_image(
 ) -> ImageInfo:
     """Read an image header: format, mode and displayed size; no pixel is decoded.
 
+    Refuses what :func:`decode_image` would refuse before decoding (to RGB).
+
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
-    image, orientation, _ = _open(_check_bytes(data, limits), limits)
+    opened = _open(_check_bytes(data, limits), limits)
+    _check_budget(opened, _plan_decode(opened, "RGB"), limits, "decode")
+    image = opened.image
     width, height = image.size
-    if orientation in _TRANSPOSED:
+    if opened.orientation in TRANSPOSED:
         width, height = height, width
-    return ImageInfo(str(image.format), image.mode, width, height, orientation)
+    return ImageInfo(str(image.format), image.mode, width, height, opened.orientation)
 
 
-_ORIENT = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-
-
-def _orient(image: Image.Image, orientation: int) -> Image.Image:
-    """Apply the EXIF orientation (as ImageOps.exif_transpose, without its copy when upright)."""
-    method = _ORIENT.get(orientation)
-    return image if method is None else image.transpose(method)
-
-
-def _load(image: Image.Image, data: bytes, structure: JpegStructure | None) -> None:
+def _load(opened: _Opened, data: bytes) -> None:
+    image = opened.image
     try:
-        if structure is not None:
-            load_jpeg(image, data, structure)  # type: ignore[arg-type]
+        if opened.jpeg is not None:
+            load_jpeg(image, data, opened.jpeg)  # type: ignore[arg-type]
         else:
             image.load()
     except Image.DecompressionBombError as exc:
@@ -207,37 +228,14 @@ def _load(image: Image.Image, data: bytes, structure: JpegStructure | None) -> N
         ) from None
 
 
-_GREY = frozenset({"1", "L", "I;16", "I;16B", "I;16L", "I"})
-
-
-def _work_mode(image: Image.Image, mode: str) -> str:
+def _work_mode(stored: str, mode: str) -> str:
     """The mode to resample in: a greyscale source stays one channel until the end.
 
     Resampling is per channel, so resizing in ``L`` and expanding to ``RGB``
     afterwards gives the same pixels as expanding first, at a quarter of the
     memory (Pillow keeps RGB in 4 bytes a pixel).
     """
-    return "L" if mode == "RGB" and image.mode in _GREY else mode
-
-
-def _to_mode(image: Image.Image, mode: str) -> Image.Image:
-    if image.mode == mode:
-        return image
-    if image.mode in ("I;16", "I;16B", "I;16L", "I") and mode in ("RGB", "L"):
-        # 16-bit greyscale: scale to 8 bits instead of clipping at 255, a band of
-        # rows at a time so no full-size 16- or 32-bit copy is ever made.
-        width, height = image.size
-        peak = 65535
-        if not image.mode.startswith("I;16"):
-            extrema = image.getextrema()
-            peak = max(int(extrema[1]), 1) if isinstance(extrema[1], int | float) else 65535
-        out = np.empty((height, width), dtype=np.uint8)
-        for top in range(0, height, _CONVERT_ROWS):
-            band = np.asarray(image.crop((0, top, width, min(top + _CONVERT_ROWS, height))))
-            out[top : top + _CONVERT_ROWS] = band.astype(np.uint32) * 255 // peak
-        grey = Image.fromarray(out, mode="L")
-        return grey if mode == "L" else grey.convert(mode)
-    return image.convert(mode)
+    return "L" if mode == "RGB" and stored in GREY_MODES else mode
 
 
 def decode_image(
@@ -248,15 +246,21 @@ def decode_image(
 ) -> npt.NDArray[np.uint8]:
     """Fully decode an image to a uint8 ``(H, W, C)`` array (EXIF orientation applied).
 
+    Args:
+        data: JPEG, PNG or WebP bytes.
+        mode: ``"RGB"``, ``"L"`` or ``"RGBA"``.
+        limits: Input, pixel and memory bounds.
+
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
+    if mode not in ("RGB", "L", "RGBA"):
+        raise UnsupportedInputError(f"decode_image mode must be RGB, L or RGBA, got {mode!r}")
     raw = _check_bytes(data, limits)
-    image, orientation, structure = _open(raw, limits)
-    _load(image, raw, structure)
-    image = _to_mode(_orient(image, orientation), mode)
-    array = np.asarray(image, dtype=np.uint8)
-    return array[:, :, None] if array.ndim == 2 else array
+    opened = _open(raw, limits)
+    _check_budget(opened, _plan_decode(opened, mode), limits, "decode")
+    _load(opened, raw)
+    return to_array(opened.image, mode, opened.orientation)
 
 
 def _resized_size(width: int, height: int, profile: ImageProfile) -> tuple[int, int]:
@@ -298,7 +302,71 @@ def _letterbox(image: Image.Image, profile: ImageProfile) -> Image.Image:
     return canvas
 
 
-def _geometry_reference(image: Image.Image, profile: ImageProfile) -> Image.Image:
+def _oriented(size: tuple[int, int], orientation: int) -> tuple[int, int]:
+    return (size[1], size[0]) if orientation in TRANSPOSED else size
+
+
+def _plan_tail(
+    plan: Plan, alive: int, size: tuple[int, int], profile: ImageProfile, work: str, *, crop: bool
+) -> None:
+    """Phases after the resize: crop or letterbox, the final mode, the tensor."""
+    work_bytes = stored_bytes(work)
+    width, height = size
+    box = _crop_box(size, profile) if crop else None
+    if box is not None:
+        width, height = box[2] - box[0], box[3] - box[1]
+        plan.add("cropping", alive + width * height * work_bytes)
+        alive = width * height * work_bytes
+    if profile.fit == "letterbox":
+        assert profile.size is not None  # guaranteed by ImageProfile validation
+        box_h, box_w = profile.size
+        # The canvas, and the image converted to its mode to be pasted.
+        plan.add("letterboxing", alive + (box_w * box_h + width * height) * 4)
+        width, height = box_w, box_h
+        alive = width * height * stored_bytes(profile.mode)
+        work = profile.mode
+    pixels = width * height
+    channels = 3 if profile.mode == "RGB" else 1
+    final = pixels * stored_bytes(profile.mode) if work != profile.mode else 0
+    array = pixels * channels  # to_array's uint8 copy
+    if profile.dtype == "uint8":
+        tensor = array if profile.layout == "CHW" else 0  # the transposed copy
+    else:  # the tensor, and np.take's int64 copy of one channel's indices
+        tensor = pixels * channels * np.dtype(profile.dtype).itemsize + pixels * 8
+    plan.add("making the tensor", alive + final + array + tensor)
+
+
+def _plan_reference(opened: _Opened, profile: ImageProfile) -> Plan:
+    cost = opened.cost()
+    plan = Plan.start(cost)
+    if opened.orientation != 1:
+        plan.add("orienting", 2 * cost.pixels)
+    width, height = _oriented((cost.width, cost.height), opened.orientation)
+    work = _work_mode(cost.mode, profile.mode)
+    work_bytes = stored_bytes(work)
+    alive = width * height * work_bytes
+    if cost.mode != work:
+        plan.add("converting colours", cost.pixels + alive)
+    resized = _resized_size(width, height, profile)
+    if resized != (width, height):
+        # Pillow resamples rows first into a (new width x old height) image.
+        rows_first = resized[0] * height * work_bytes if resized[0] != width else 0
+        out = resized[0] * resized[1] * work_bytes
+        taps = resample_bytes((width, height), resized, profile.resample)
+        plan.add("resizing", alive + rows_first + out + taps)
+        alive = out
+    _plan_tail(plan, alive, resized, profile, work, crop=True)
+    return plan
+
+
+def _pixels_reference(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
+    opened = _open(data, limits)
+    _check_budget(opened, _plan_reference(opened, profile), limits, "preprocess")
+    _load(opened, data)
+    image, orientation = opened.image, opened.orientation
+    del opened  # each step below then frees the image it replaces
+    image = orient(image, orientation)
+    image = to_mode(image, _work_mode(image.mode, profile.mode))
     resized = _resized_size(image.width, image.height, profile)
     if resized != image.size:
         image = image.resize(resized, _RESAMPLE[profile.resample])
@@ -307,57 +375,98 @@ def _geometry_reference(image: Image.Image, profile: ImageProfile) -> Image.Imag
         image = image.crop(box)
     if profile.fit == "letterbox":
         image = _letterbox(image, profile)
-    return image
+    return to_mode(image, profile.mode)
 
 
-def _pixels_reference(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
-    image, orientation, structure = _open(data, limits)
-    _load(image, data, structure)
-    image = _to_mode(_orient(image, orientation), _work_mode(image, profile.mode))
-    return _to_mode(_geometry_reference(image, profile), profile.mode)
+@dataclass(frozen=True, slots=True)
+class _FastGeometry:
+    """Where the fast path resamples from (in the decoded, oriented image) and to."""
+
+    box: tuple[float, float, float, float]
+    size: tuple[int, int]
+
+    def reduce_factors(self, profile: ImageProfile) -> tuple[int, int]:
+        """The ``Image.reduce`` factors ``resize(reducing_gap=...)`` will apply."""
+        if profile.resample == "nearest":
+            return 1, 1
+        gap = profile.reducing_gap
+        return (
+            int((self.box[2] - self.box[0]) / self.size[0] / gap) or 1,
+            int((self.box[3] - self.box[1]) / self.size[1] / gap) or 1,
+        )
 
 
-def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
-    image, orientation, structure = _open(data, limits)
-    stored_w, stored_h = image.size
-    width, height = (stored_h, stored_w) if orientation in _TRANSPOSED else (stored_w, stored_h)
+def _draft(opened: _Opened, profile: ImageProfile) -> _FastGeometry:
+    """Ask the JPEG decoder for a DCT-scaled image; return the resampling geometry."""
+    image = opened.image
+    stored_w = image.width
+    width, height = _oriented(image.size, opened.orientation)
     resized = _resized_size(width, height, profile)
     scale = 1.0
-    if image.format in ("JPEG", "MPO") and resized[0] < width:
+    if image.format in _JPEG and resized[0] < width:
         want = (
             math.ceil(resized[0] * profile.reducing_gap),
             math.ceil(resized[1] * profile.reducing_gap),
         )
-        if orientation in _TRANSPOSED:
-            want = (want[1], want[0])
         draft_mode = profile.mode if image.mode in ("RGB", "L") else None
-        drafted = image.draft(draft_mode, want)
+        drafted = image.draft(draft_mode, _oriented(want, opened.orientation))
         if drafted is not None:
             # The box is the original image inside the scaled one: its width is
             # stored_w / scale, the DCT scale factor (1, 2, 4 or 8).
             scale = stored_w / drafted[1][2]
-    _load(image, data, structure)
-    image = _to_mode(_orient(image, orientation), _work_mode(image, profile.mode))
+    decoded_w, decoded_h = _oriented(image.size, opened.orientation)
     factor = 1.0 / scale
     crop = _crop_box(resized, profile)
     if crop is not None:
         # Resample only the region the crop keeps: same taps as resize-then-crop.
         sx, sy = width / resized[0] * factor, height / resized[1] * factor
         box = (crop[0] * sx, crop[1] * sy, crop[2] * sx, crop[3] * sy)
-        out_size = (crop[2] - crop[0], crop[3] - crop[1])
-    else:
-        box = (0.0, 0.0, min(width * factor, image.width), min(height * factor, image.height))
-        out_size = resized
-    if out_size != image.size or box != (0.0, 0.0, float(image.width), float(image.height)):
+        return _FastGeometry(box, (crop[2] - crop[0], crop[3] - crop[1]))
+    box = (0.0, 0.0, min(width * factor, decoded_w), min(height * factor, decoded_h))
+    return _FastGeometry(box, resized)
+
+
+def _plan_fast(opened: _Opened, profile: ImageProfile, geometry: _FastGeometry) -> Plan:
+    cost = opened.cost()  # at the DCT-scaled size
+    plan = Plan.start(cost)
+    if opened.orientation != 1:
+        plan.add("orienting", 2 * cost.pixels)
+    width, height = _oriented((cost.width, cost.height), opened.orientation)
+    work = _work_mode(cost.mode, profile.mode)
+    work_bytes = stored_bytes(work)
+    alive = width * height * work_bytes
+    if cost.mode != work:
+        plan.add("converting colours", cost.pixels + alive)
+    out_w, out_h = geometry.size
+    if geometry.size != (width, height) or geometry.box != (0.0, 0.0, width, height):
+        fx, fy = geometry.reduce_factors(profile)
+        box_w, box_h = geometry.box[2] - geometry.box[0], geometry.box[3] - geometry.box[1]
+        columns, rows = math.ceil(box_w / fx) + 2, math.ceil(box_h / fy) + 2
+        reduced = columns * rows * work_bytes if fx * fy > 1 else 0
+        taps = resample_bytes((box_w / fx, box_h / fy), geometry.size, profile.resample)
+        plan.add("resizing", alive + reduced + (out_w * rows + out_w * out_h) * work_bytes + taps)
+        alive = out_w * out_h * work_bytes
+    _plan_tail(plan, alive, geometry.size, profile, work, crop=False)
+    return plan
+
+
+def _pixels_fast(data: bytes, profile: ImageProfile, limits: Limits) -> Image.Image:
+    opened = _open(data, limits)
+    geometry = _draft(opened, profile)
+    _check_budget(opened, _plan_fast(opened, profile, geometry), limits, "preprocess")
+    _load(opened, data)
+    image, orientation = opened.image, opened.orientation
+    del opened  # each step below then frees the image it replaces
+    image = orient(image, orientation)
+    image = to_mode(image, _work_mode(image.mode, profile.mode))
+    box, size = geometry.box, geometry.size
+    if size != image.size or box != (0.0, 0.0, float(image.width), float(image.height)):
         image = image.resize(
-            out_size,
-            _RESAMPLE[profile.resample],
-            box=box,
-            reducing_gap=profile.reducing_gap,
+            size, _RESAMPLE[profile.resample], box=box, reducing_gap=profile.reducing_gap
         )
     if profile.fit == "letterbox":
         image = _letterbox(image, profile)
-    return _to_mode(image, profile.mode)
+    return to_mode(image, profile.mode)
 
 
 @lru_cache(maxsize=64)
@@ -407,7 +516,7 @@ def preprocess_image(
     Args:
         data: The encoded image.
         profile: The pipeline to apply (see :func:`preprocess.get_profile`).
-        limits: Input size and pixel count bounds.
+        limits: Input size, pixel count and memory bounds.
         fast: Override ``profile.fast``: True for draft mode and reduce, False
             for the full-decode reference path.
 
@@ -416,19 +525,18 @@ def preprocess_image(
 
     Raises:
         InputTooLargeError: more bytes than ``limits.max_input_bytes``.
-        DecompressionBombError: more pixels than ``limits.max_pixels``.
-        CorruptInputError: truncated or damaged data.
+        DecompressionBombError: more pixels than ``limits.max_pixels``, or a
+            path whose peak memory would pass ``limits.max_image_bytes``.
+        CorruptInputError: truncated (a JPEG cut short included) or damaged data.
         UnsupportedInputError: a format other than JPEG, PNG, WebP.
     """
     raw = _check_bytes(data, limits)
     use_fast = profile.fast if fast is None else fast
     try:
         image = (_pixels_fast if use_fast else _pixels_reference)(raw, profile, limits)
-        pixels = np.asarray(image, dtype=np.uint8)
+        pixels = to_array(image, profile.mode)
     except PreprocessError:
         raise
     except _DECODE_ERRORS as exc:
         raise CorruptInputError(f"cannot process image: {exc}") from None
-    if pixels.ndim == 2:
-        pixels = pixels[:, :, None]
     return normalize(pixels, profile)

@@ -55,6 +55,30 @@ def test_normalize_lut_is_bit_identical_to_arithmetic() -> None:
     np.testing.assert_array_equal(normalize(pixels, hwc), expected.transpose(1, 2, 0))
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_every_exif_orientation_decodes_as_exif_transpose_does(
+    photos: dict[str, Image.Image], orientation: int, fmt: str
+) -> None:
+    # decode_image orients while copying out (NumPy views, no turned copy);
+    # the reference path turns the Pillow image: both must be ImageOps.exif_transpose.
+    from PIL import ImageOps
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(photos["chelsea.png"].crop((0, 0, 301, 200)), fmt, exif=exif.tobytes())
+    with Image.open(io.BytesIO(data)) as image:
+        expected = np.asarray(ImageOps.exif_transpose(image.convert("RGB")))
+    np.testing.assert_array_equal(decode_image(data), expected)
+    profile = ImageProfile(name="orient-none", layout="HWC", dtype="uint8")
+    np.testing.assert_array_equal(preprocess_image(data, profile, fast=False), expected)
+    np.testing.assert_array_equal(preprocess_image(data, profile, fast=True), expected)
+    np.testing.assert_array_equal(
+        decode_image(data, mode="L")[:, :, 0],
+        np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("L")),
+    )
+
+
 def test_exif_orientation_is_applied(photos: dict[str, Image.Image]) -> None:
     upright = photos["chelsea.png"]  # 451x300 landscape
     # Stored rotated; orientation 6 tells viewers to turn it 90 degrees clockwise.
