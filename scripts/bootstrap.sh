@@ -17,6 +17,8 @@ command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need_apt+=(postgresql-15)
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 [ -f /usr/share/java/jetty9-server.jar ] || need_apt+=(libjetty9-java)
+# promtool (Debian ships it in prometheus) checks and unit-tests the alert rules.
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: installing system packages: ${need_apt[*]}"
   SUDO=""
@@ -25,6 +27,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # Debian starts the packaged servers; edgefeed runs its own on other ports.
   $SUDO service redis-server stop >/dev/null 2>&1 || true
+  $SUDO service prometheus stop >/dev/null 2>&1 || true
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
