@@ -396,10 +396,24 @@ class _FastGeometry:
         )
 
 
+# Which stored axis's DCT-scaling slack each EXIF orientation turns to the start
+# of the displayed x and y axes. A 1411-pixel side scaled by 1/2 decodes to 706
+# pixels of which 705.5 are image: the half pixel is at the end as stored, at
+# the start once flipped or turned.
+_SLACK_FIRST = {
+    2: ("x", ""),
+    3: ("x", "y"),
+    4: ("", "y"),
+    6: ("y", ""),
+    7: ("y", "x"),
+    8: ("", "x"),
+}
+
+
 def _draft(opened: _Opened, profile: ImageProfile) -> _FastGeometry:
     """Ask the JPEG decoder for a DCT-scaled image; return the resampling geometry."""
     image = opened.image
-    stored_w = image.width
+    stored_w, stored_h = image.size
     width, height = _oriented(image.size, opened.orientation)
     resized = _resized_size(width, height, profile)
     scale = 1.0
@@ -414,15 +428,22 @@ def _draft(opened: _Opened, profile: ImageProfile) -> _FastGeometry:
             # The box is the original image inside the scaled one: its width is
             # stored_w / scale, the DCT scale factor (1, 2, 4 or 8).
             scale = stored_w / drafted[1][2]
-    decoded_w, decoded_h = _oriented(image.size, opened.orientation)
     factor = 1.0 / scale
+    slack = {"x": image.width - stored_w * factor, "y": image.height - stored_h * factor, "": 0.0}
+    x_from, y_from = _SLACK_FIRST.get(opened.orientation, ("", ""))
+    left, top = slack[x_from], slack[y_from]
     crop = _crop_box(resized, profile)
     if crop is not None:
         # Resample only the region the crop keeps: same taps as resize-then-crop.
         sx, sy = width / resized[0] * factor, height / resized[1] * factor
-        box = (crop[0] * sx, crop[1] * sy, crop[2] * sx, crop[3] * sy)
+        box = (
+            left + crop[0] * sx,
+            top + crop[1] * sy,
+            left + crop[2] * sx,
+            top + crop[3] * sy,
+        )
         return _FastGeometry(box, (crop[2] - crop[0], crop[3] - crop[1]))
-    box = (0.0, 0.0, min(width * factor, decoded_w), min(height * factor, decoded_h))
+    box = (left, top, left + width * factor, top + height * factor)
     return _FastGeometry(box, resized)
 
 
