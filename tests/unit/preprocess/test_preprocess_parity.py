@@ -1,8 +1,10 @@
 """The fast path (JPEG draft mode + reduce + box resize) against the full-decode path.
 
 Stated tolerance (docs/preprocess.md), in uint8 grey levels, per photograph, at
-the default reducing_gap=2.0: mean absolute difference <= 0.75, 99th percentile
-<= 4, maximum <= 12. Measured on these photos: mean 0.19-0.46, p99 1-3, max 3-7.
+the default reducing_gap=2.0: mean absolute difference <= 2, 99th percentile
+<= 8, maximum <= 20 (at least 1.5x the worst measured, see
+test_preprocess_parity_sweep.py). Measured on these 1080p frames: mean
+0.19-0.46, p99 1-3, max 3-7.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from preprocess_photos import PHOTOS, encode, to_hd
 
 from preprocess import ImageProfile, get_profile, preprocess_image
 
-MEAN_LEVELS = 0.75
-P99_LEVELS = 4.0
-MAX_LEVELS = 12
+MEAN_LEVELS = 2.0
+P99_LEVELS = 8.0
+MAX_LEVELS = 20
 
 UINT8_PROFILES = {
     "center-crop": get_profile("imagenet-224-uint8"),
@@ -87,14 +89,15 @@ def test_png_and_small_inputs_are_identical_on_both_paths(astronaut_png: bytes) 
 def test_throughput_profile_stays_within_its_looser_tolerance(
     hd_jpegs: dict[str, bytes], photo: str
 ) -> None:
-    # imagenet-224-fast (reducing_gap=1): measured mean 0.5-1.8, p99 4-11, max 14-29.
+    # imagenet-224-fast (reducing_gap=1): measured mean 0.5-1.8, p99 4-11, max 14-29;
+    # stated mean <= 8.5, p99 <= 34, max <= 90.
     profile = dataclasses.replace(
         get_profile("imagenet-224-fast"), name="fast-u8", layout="HWC", dtype="uint8"
     )
     errors = _errors(hd_jpegs[photo], profile)
-    assert errors.mean() <= 2.5
-    assert np.percentile(errors, 99) <= 16
-    assert errors.max() <= 48
+    assert errors.mean() <= 8.5
+    assert np.percentile(errors, 99) <= 34
+    assert errors.max() <= 90
 
 
 def test_reduce_step_on_a_large_png_stays_within_tolerance(photos: dict[str, Image.Image]) -> None:
