@@ -110,6 +110,23 @@ def test_a_cut_jpeg_without_an_eoi_marker_is_refused(
         _run(path, data[: scan_data_end(data) - 300])
 
 
+def test_a_cut_first_image_of_an_mpo_is_refused(photo: np.ndarray) -> None:
+    # A camera's multi-picture file: the decoder reads the first image, which
+    # ends at its own EOI marker, with the second image after it.
+    out = io.BytesIO()
+    first, second = Image.fromarray(photo), Image.fromarray(photo[::-1].copy())
+    first.save(out, "MPO", save_all=True, append_images=[second])
+    data = out.getvalue()
+    with Image.open(io.BytesIO(data)) as image:
+        assert image.format == "MPO"
+        expected = np.asarray(image.convert("RGB"))
+    np.testing.assert_array_equal(decode_image(data), expected)
+    end = scan_data_end(data[: data.index(b"\xff\xd9\xff\xd8") + 2])
+    cut = data[: end // 2] + data[end:]  # the first image's EOI and the second image stay
+    with pytest.raises(CorruptInputError, match="truncated"):
+        decode_image(cut)
+
+
 def test_cmyk_fill_is_not_grey(files: dict[str, bytes]) -> None:
     # Why the old check (a mid-grey last pixel) let cut CMYK files through.
     data = files["cmyk"]
