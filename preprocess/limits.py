@@ -19,11 +19,14 @@ class Limits:
             pixel, so a small file that declares a huge canvas is refused cheaply.
         max_decoded_bytes: Largest output of a Brotli stream. Decompression stops
             as soon as the output would pass it.
-        max_image_bytes: Largest memory one decoded image may take: its pixels
-            times the bytes per pixel of its stored mode (Pillow keeps RGB in 4,
-            16-bit greyscale in 2) plus the uint8 RGB copy the pipeline works on.
-            Checked from the header (mode, bit depth, bands) before decoding, so a
-            small 16-bit PNG cannot cost more than an 8-bit one of the same budget.
+        max_image_bytes: Largest peak memory one image may take on its whole
+            path: the decoder (its pixels at their stored size, Pillow keeping
+            RGB in 4 bytes and 16-bit greyscale in 2; libjpeg's coefficient
+            buffer for a progressive JPEG; libwebp's canvases), orientation,
+            colour conversion, resizing and the output. Estimated from the
+            header for the path asked for (decode_image, the fast or the
+            reference preprocess path; see preprocess/footprint.py) before a
+            pixel is decoded; peak RSS stays within it (tested).
         max_jpeg_scans: Most scans a JPEG may hold. Each scan of a progressive
             JPEG is a pass over the whole image, so the scan count bounds decode
             CPU time; ordinary progressive files hold 6 to 12. Counted from the
