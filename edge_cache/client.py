@@ -37,6 +37,7 @@ from edge_cache._redis import close_client
 from edge_cache.breaker import CircuitBreaker
 from edge_cache.core import (
     Failure,
+    Late,
     LookupCore,
     ReadRebuilding,
     ReadSchema,
@@ -144,6 +145,11 @@ class _DeadlineSSLConnection(_DeadlineMixin, redis.SSLConnection):
 
 _SYNC_READ_SIZE = 256 * 1024
 
+#: Turns of the event loop a region's read is given once its deadline has passed,
+#: before it is abandoned as the region's timeout (see _ReadDeadline).
+GRACE_TURNS = 8
+_BACKSTOP_FACTOR = 4
+
 
 def _pool_options(
     timeout_s: float, url: str | None = None, *, for_asyncio: bool = False
@@ -155,6 +161,13 @@ def _pool_options(
         # asyncio client gets asyncio's Retry (redis-py 8.2 warns about a sync one).
         "retry": (AsyncRetry if for_asyncio else Retry)(NoBackoff(), 0),
     }
+    if for_asyncio:
+        # The call's _ReadDeadline bounds every connect and read of the asyncio face.
+        # redis-py's own timeouts would cut them at timeout_s on the loop's clock, late
+        # replies of a busy loop included (the region blamed for the worker's lag); the
+        # connect timeout stays as a looser backstop (it also bounds closing).
+        options["socket_timeout"] = None
+        options["socket_connect_timeout"] = _BACKSTOP_FACTOR * timeout_s
     if url is not None:  # the sync face: reads bounded by the call's deadline
         # Each socket read re-arms the deadline (two more system calls): read a whole
         # 100-id reply of scheduled values (~112 KB) at once, not in 64 KiB pieces.
@@ -266,9 +279,43 @@ def node_url(url: str, host: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=f"{auth + '@' if auth else ''}{host}:{port}"))
 
 
-def _loop_time(deadline: float) -> float:
-    """A ``time.monotonic()`` deadline on the running loop's clock."""
-    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+class _ReadDeadline:
+    """``asyncio.timeout_at(when)`` for a region's read, blind to this process's own lag.
+
+    A reply Redis sent in time can still be read late: the event loop reads it only
+    when it gets round to it, after every callback ready before it (a burst of
+    requests, a GC pause, a CPU another process holds). A plain timeout then fires
+    first and blames the region for the worker's lag. Here the deadline, once passed,
+    gives the read :data:`GRACE_TURNS` more turns of the loop: a reply already on its
+    socket is read in two, and the read completes; a region that has not answered
+    (dead, hanging, dribbling) is still cut, after a few turns (microseconds on an idle
+    loop; on a busy one, the loop's own lag). Raises TimeoutError like asyncio's.
+    """
+
+    __slots__ = ("_handle", "_timeout", "_when")
+
+    def __init__(self, when: float) -> None:
+        self._when = when  # on the loop's clock
+        self._timeout = asyncio.Timeout(None)
+        self._handle: asyncio.Handle | None = None
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+        self._handle = asyncio.get_running_loop().call_at(self._when, self._turn, GRACE_TURNS)
+
+    def _turn(self, left: int) -> None:
+        loop = asyncio.get_running_loop()
+        if left > 0:
+            self._handle = loop.call_soon(self._turn, left - 1)
+        else:
+            self._handle = None
+            self._timeout.reschedule(loop.time())  # cancels the read: TimeoutError
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        await self._timeout.__aexit__(*exc_info)
 
 
 class _Base(ABC):
@@ -279,9 +326,13 @@ class _Base(ABC):
             personal entity types.
         regions: Settings of the home region and of every region in its failover list.
         schemas: Schemas of the entity types to read.
-        timeout_s: Deadline of the whole read from one region: connect, wait for a
-            pooled connection, every round trip of the call (not one socket read). A
-            call that fails over gives each region it tries its own ``timeout_s``.
+        timeout_s: Deadline of the whole read from one region: connect and every
+            round trip of the call (not one socket read). A call that fails over gives
+            each region it tries its own ``timeout_s``. The asyncio face counts it from
+            when the call holds one of the region's ``max_connections`` (the wait for
+            one, this process's own queue, is bounded by ``timeout_s`` apart), and
+            reads a reply that came in time but found the event loop busy (see
+            :class:`AsyncFeatureClient`).
         near_cache: Enable the in-process near cache with these bounds.
         breaker_failures: Consecutive failures that open a region's circuit breaker.
         breaker_reset_s: How long an open breaker skips its region before one probe.
@@ -291,9 +342,9 @@ class _Base(ABC):
         registry: Prometheus registry the lookup metrics are exposed in (clients of
             one registry share them); None: kept in ``stats`` only.
         max_connections: Connections per region of the asyncio face: calls beyond it
-            queue until the deadline, then fail with :class:`PoolExhaustedError`
+            queue for up to ``timeout_s``, then fail with :class:`PoolExhaustedError`
             (never counted against the region). Size it from the caller's concurrency
-            (concurrent calls x round trips in flight per call).
+            (concurrent calls: a call holds one connection of a region at a time).
     """
 
     def __init__(
@@ -532,13 +583,26 @@ class FeatureClient(_Base):
 class AsyncFeatureClient(_Base):
     """The asyncio face of :class:`FeatureClient`: same arguments, same behaviour.
 
-    The deadline covers the whole read from one region (``asyncio.timeout``), and at
-    most ``max_connections`` reads per region are in flight; the others queue.
+    At most ``max_connections`` calls per region read from it at once (each holds one
+    of its connections); the others queue. Only the region's own time counts against
+    it (breaker, failover, ``edgefeed_lookup_region_failures_total``):
+
+    * the deadline starts once the call holds a connection and covers its connect
+      and round trips; a call still queued after ``timeout_s`` is shed with
+      :class:`PoolExhaustedError` (this process takes more than it can serve);
+    * a reply that arrived in time but found the event loop busy is read: past the
+      deadline a read gets :data:`GRACE_TURNS` more turns of the loop;
+    * a read cut at its deadline while the region answered other reads after this
+      call got its connection is this process's backlog, not the region's: the call
+      is shed with :class:`LookupOverloadedError`. A region that answers no read for
+      a whole deadline is timed out and counted failed as ever.
     """
 
     def _connect_regions(self) -> None:
         self.clients: dict[str, aioredis.Redis | aioredis.RedisCluster] = {}
         self.gates = {name: asyncio.Semaphore(self.max_connections) for name in self.breakers}
+        # loop time of each region's latest answer: the evidence that it is alive
+        self._answered: dict[str, float] = {}
         for name in self.breakers:
             settings = self.core.regions[name]
             options = {
@@ -577,54 +641,92 @@ class AsyncFeatureClient(_Base):
         at: datetime | float | None = None,
         timeout_s: float | None = None,
     ) -> FeatureVectors:
-        """See :meth:`FeatureClient.get`; ``timeout_s`` overrides the client's per call."""
+        """See :meth:`FeatureClient.get`; ``timeout_s`` overrides the client's per call.
+
+        Raises:
+            LookupOverloadedError: this process could not serve the call in time while
+                the region answered (:class:`PoolExhaustedError` when it waited that
+                long for a connection); the region is not counted failed.
+        """
         started = time.perf_counter()
         plan = self.core.plan(entity, ids, features, max_staleness, at)
         run = self.core.start(plan, self.breakers, self.near, started)
-        deadlines = _Deadlines(self.timeout_s if timeout_s is None else timeout_s)
-        step = run.send(None)
-        while step is not None:
-            step = run.send(await self._execute(step, deadlines))
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        held: str | None = None  # the region one of whose connections this call holds
+        asked = 0.0
+        try:
+            step = run.send(None)
+            while step is not None:
+                if step.region != held:
+                    if held is not None:
+                        self.gates[held].release()
+                        held = None
+                    await self._admit(step.region, budget)
+                    held = step.region
+                    asked = asyncio.get_running_loop().time()  # the region's time starts
+                step = run.send(await self._execute(step, asked, budget))
+        finally:
+            if held is not None:
+                self.gates[held].release()
         return run.result
 
-    async def _execute(self, step: Step, deadlines: _Deadlines) -> Reply:
-        deadline = deadlines.of(step.region)
-        gate = self.gates[step.region]
+    async def _admit(self, region: str, wait_s: float) -> None:
+        """Wait for one of ``region``'s connections: this process's own queue, never
+        counted against the region (breaker, failover); shed after ``wait_s``."""
         try:
-            # Waiting for a free connection is this process's congestion, not the region's:
-            # it never counts against the region (breaker, failover); past the deadline the
-            # call is shed with a retryable PoolExhaustedError.
-            async with asyncio.timeout_at(_loop_time(deadline)):
-                await gate.acquire()
+            async with asyncio.timeout(wait_s):
+                await self.gates[region].acquire()
         except TimeoutError:
             raise PoolExhaustedError(
-                f"all {self.max_connections} connections to region {step.region!r} stayed busy "
-                f"for the call's {deadlines.timeout_s:g} s: this process sends more concurrent "
+                f"all {self.max_connections} connections to region {region!r} stayed busy "
+                f"for the call's {wait_s:g} s: this process sends more concurrent "
                 "lookups than its pool holds; raise max_connections or admit fewer requests",
-                step.region,
-                retry_after_s=deadlines.timeout_s,
+                region,
+                retry_after_s=wait_s,
             ) from None
+
+    async def _execute(self, step: Step, asked: float, budget_s: float) -> Reply:
+        """One step, within the region's deadline (``budget_s`` after ``asked``, the
+        loop time the call got the region's connection). A Failure is the region's; a
+        Late, a timeout while the region answered others, is this process's."""
         try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
-                client = self.clients[step.region]
-                if isinstance(step, ReadSchema):
-                    return await client.get(step.key)  # type: ignore[return-value]
-                if isinstance(step, ReadRebuilding):
-                    return await client.hgetall(step.key)  # type: ignore[return-value]
-                if isinstance(step, ReadTypes):
-                    pipe = client.pipeline(transaction=False)
-                    for key in step.keys:
-                        pipe.type(key)
-                    return [_text(t) for t in await pipe.execute()]
-                if isinstance(client, aioredis.RedisCluster):
-                    return await client.mget_nonatomic(step.keys), None
-                listener = self.listener
-                redirect = listener.client_id if step.tracked and listener is not None else None
-                return await _amget(client, step.keys, redirect)
+            async with _ReadDeadline(asked + budget_s):
+                reply = await self._read(step)
         except _FAILURES as exc:
-            return _failure(exc, deadlines.timeout_s)
-        finally:
-            gate.release()
+            answered = self._answered.get(step.region)
+            if isinstance(exc, TimeoutError | RedisTimeoutError) and (
+                answered is not None and answered > asked
+            ):
+                # The region answered other reads while this one waited (grace turns
+                # included): the time went to this process's backlog, not to the region.
+                return Late(
+                    "timeout",
+                    f"region {step.region!r} kept answering other lookups while this one "
+                    f"waited past its {budget_s:g} s deadline: this process is behind (more "
+                    "concurrent requests than its event loop serves in time, or new "
+                    "connections); admit fewer requests or add workers",
+                    retry_after_s=budget_s,
+                )
+            return _failure(exc, budget_s)
+        self._answered[step.region] = asyncio.get_running_loop().time()
+        return reply
+
+    async def _read(self, step: Step) -> Reply:
+        client = self.clients[step.region]
+        if isinstance(step, ReadSchema):
+            return await client.get(step.key)  # type: ignore[return-value]
+        if isinstance(step, ReadRebuilding):
+            return await client.hgetall(step.key)  # type: ignore[return-value]
+        if isinstance(step, ReadTypes):
+            pipe = client.pipeline(transaction=False)
+            for key in step.keys:
+                pipe.type(key)
+            return [_text(t) for t in await pipe.execute()]
+        if isinstance(client, aioredis.RedisCluster):
+            return await client.mget_nonatomic(step.keys), None
+        listener = self.listener
+        redirect = listener.client_id if step.tracked and listener is not None else None
+        return await _amget(client, step.keys, redirect)
 
     async def close(self) -> None:
         """Stop the near cache listener and close every connection."""

@@ -24,6 +24,7 @@ import numpy as np
 from edge_cache.exceptions import (
     ConfigError,
     InvalidValueError,
+    LookupOverloadedError,
     LookupTimeoutError,
     RegionUnavailableError,
     UnknownEntityError,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Failure",
+    "Late",
     "Lookup",
     "LookupCore",
     "LookupRun",
@@ -124,6 +126,20 @@ class Failure:
 
     metric: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Late(Failure):
+    """A Failure that is not the region's: the step's deadline passed while the region
+    kept answering other reads (the asyncio face's event loop was behind). A data read
+    that ends so is shed (:class:`LookupOverloadedError`): no breaker, no failure
+    metric, no failover.
+
+    Attributes:
+        retry_after_s: When a retry is likely to be served.
+    """
+
+    retry_after_s: float = 0.0
 
 
 Step = Read | ReadSchema | ReadTypes | ReadRebuilding
@@ -429,11 +445,13 @@ class LookupCore:
 
         Yields :class:`Read` and :class:`ReadSchema` steps; the face executes each and
         sends back its answer, or a :class:`Failure` when the region did not answer (the
-        region is then counted failed and the next allowed region is tried). Returns the
-        result (``StopIteration.value``).
+        region is then counted failed and the next allowed region is tried), or a
+        :class:`Late` when the face was too slow to take an answer. Returns the result
+        (``StopIteration.value``).
 
         Raises:
             RegionUnavailableError: no region allowed to serve the call answered.
+            LookupOverloadedError: a read ended :class:`Late`.
             SchemaVersionError: a value's schema version cannot be read safely.
         """
         if not plan.ids:
@@ -459,6 +477,8 @@ class LookupCore:
             read = yield from self._read_region(
                 plan, name, near if name == home and near is not None and near.active else None
             )
+            if isinstance(read, Late):
+                raise LookupOverloadedError(read.reason, name, retry_after_s=read.retry_after_s)
             if isinstance(read, Failure):
                 breaker.failure()
                 self.failed(name, read.metric)

@@ -15,6 +15,7 @@ __all__ = [
     "CorruptValueError",
     "EdgeCacheError",
     "InvalidValueError",
+    "LookupOverloadedError",
     "LookupTimeoutError",
     "PoolExhaustedError",
     "RegionUnavailableError",
@@ -93,15 +94,17 @@ class LookupTimeoutError(RegionUnavailableError):
     Retryable."""
 
 
-class PoolExhaustedError(EdgeCacheError):
-    """Every pooled connection to a region stayed busy until the call's deadline:
-    the process sends more concurrent lookups than its ``max_connections``. The
-    region is healthy (it is not marked failed); shed the request with 429 and
-    ``Retry-After``, or raise ``max_connections``. Retryable.
+class LookupOverloadedError(EdgeCacheError):
+    """This process could not serve the lookup within its deadline while the region
+    kept answering: it took more concurrent lookups than it can serve (the asyncio
+    client's event loop got round to the region's answer only after the deadline,
+    or see :class:`PoolExhaustedError`). The region is healthy: it is not marked
+    failed (breaker, failover, failure metrics). Shed the request with 429 and
+    ``Retry-After``, or admit fewer. Retryable.
 
     Attributes:
-        region: The region whose pool was exhausted.
-        retry_after_s: Seconds after which a retry is likely to find a connection.
+        region: The region being read.
+        retry_after_s: Seconds after which a retry is likely to be served.
     """
 
     retryable = True
@@ -110,3 +113,15 @@ class PoolExhaustedError(EdgeCacheError):
         super().__init__(message)
         self.region = region
         self.retry_after_s = retry_after_s
+
+
+class PoolExhaustedError(LookupOverloadedError):
+    """Every pooled connection to a region stayed busy for the call's deadline:
+    the process sends more concurrent lookups than its ``max_connections``. The
+    region is healthy (it is not marked failed); shed the request with 429 and
+    ``Retry-After``, or raise ``max_connections``. Retryable.
+
+    Attributes:
+        region: The region whose pool was exhausted.
+        retry_after_s: Seconds after which a retry is likely to find a connection.
+    """

@@ -32,7 +32,7 @@ import numpy as np
 from edge_cache import (
     AsyncFeatureClient,
     EdgeCacheError,
-    PoolExhaustedError,
+    LookupOverloadedError,
     RegionUnavailableError,
     SchemaVersionError,
     UnknownEntityError,
@@ -121,8 +121,10 @@ class EdgeCacheFeatureSource:
         two such lookups costs the caller nothing); otherwise a coroutine.
 
         Raises:
-            QueueFullError: every connection of the lookup pool stayed busy until the
-                deadline: this worker is overloaded, not the region (429, Retry-After).
+            QueueFullError: this worker is overloaded, not the region (429,
+                Retry-After): every connection of the lookup pool stayed busy for the
+                deadline, or the region's answer came in time but the event loop got
+                round to it late (see :class:`edge_cache.LookupOverloadedError`).
             FeatureLookupError: the region (and its allowed fallbacks) is
                 unavailable (retryable, 503), or the cache's schema does not
                 have what the model reads (500).
@@ -193,9 +195,9 @@ class EdgeCacheFeatureSource:
         """One lookup through the client, its errors turned into worker errors."""
         try:
             result = await self.client.get(entity, list(ids), features, self._max_staleness)
-        except PoolExhaustedError as exc:
+        except LookupOverloadedError as exc:  # this worker's overload, not the region's
             raise QueueFullError(
-                f"feature lookups are queued beyond their deadline: {exc}",
+                f"this worker takes more requests than it can look up in time: {exc}",
                 retry_after_s=exc.retry_after_s,
             ) from None
         except RegionUnavailableError as exc:
