@@ -141,7 +141,9 @@ def webp_decode(
     if not bytes(data[:4]) == b"RIFF" or not bytes(data[8:12]) == b"WEBP":
         raise CorruptInputError(f"not a WebP stream (starts with {bytes(data[:12])!r})")
     if expect_size is not None:
-        info = probe_image(data, limits=limits)
+        # The header against the envelope first: a mismatch is the envelope's error
+        # (400), whatever the size; decode_image checks the memory budget after.
+        info = probe_image(data, limits=limits, budget=False)
         if (info.height, info.width) != tuple(expect_size):
             raise EnvelopeError(
                 f"WebP header declares {info.width}x{info.height} pixels, the envelope "

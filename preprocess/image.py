@@ -193,17 +193,23 @@ def _plan_decode(opened: _Opened, mode: str) -> Plan:
 
 
 def probe_image(
-    data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_LIMITS
+    data: bytes | bytearray | memoryview,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    budget: bool = True,
 ) -> ImageInfo:
     """Read an image header: format, mode and displayed size; no pixel is decoded.
 
-    Refuses what :func:`decode_image` would refuse before decoding (to RGB).
+    Refuses what :func:`decode_image` would refuse before decoding (to RGB);
+    with ``budget=False`` not the memory budget (a caller that compares the
+    header with what it expects first, and decodes, budget checked, after).
 
     Raises:
         InputTooLargeError, DecompressionBombError, CorruptInputError, UnsupportedInputError.
     """
     opened = _open(_check_bytes(data, limits), limits)
-    _check_budget(opened, _plan_decode(opened, "RGB"), limits, "decode")
+    if budget:
+        _check_budget(opened, _plan_decode(opened, "RGB"), limits, "decode")
     image = opened.image
     width, height = image.size
     if opened.orientation in TRANSPOSED:

@@ -251,6 +251,15 @@ class FreshnessSampler(threading.Thread):
         try:
             with psycopg.connect(self.settings.database.dsn(), autocommit=True) as conn:
                 users = list(SAMPLERS)
+                # Their users' rows first: a personal entity is served only while
+                # its own row exists (docs/pipeline.md, "Deletes").
+                for user in users:
+                    conn.execute(
+                        f"INSERT INTO {self.schema}.users (user_id, home_region, country, "
+                        "segment, email) VALUES (%s, %s, 'XX', 1, 'sampler@example.org') "
+                        "ON CONFLICT (user_id) DO NOTHING",
+                        (user, self.region),
+                    )
                 turn = 0
                 while not self._halt.wait(SAMPLE_EVERY_S):
                     user = users[turn % len(users)]

@@ -110,11 +110,16 @@ def test_rows_the_stream_never_carried_are_rebuilt_without_an_operator(
         sampler.start()
         router_log = pipeline.logs / "router.log"
         deadline = time.monotonic() + 300
+        # Users: covered, or rebuilt when the router's check saw the sampler's users
+        # (rows of a table without windows that its topic does not begin with).
         for done in (
-            f"history of {pipeline.table('events')} rebuilt",
-            f"history of {pipeline.table('users')} covers",  # empty: nothing to rebuild
+            (f"history of {pipeline.table('events')} rebuilt",),
+            (
+                f"history of {pipeline.table('users')} covers",
+                f"history of {pipeline.table('users')} rebuilt",
+            ),
         ):
-            while done not in router_log.read_text():
+            while not any(line in router_log.read_text() for line in done):
                 assert time.monotonic() < deadline, f"not in the router's log: {done}"
                 time.sleep(0.2)
         after_from = time.time()

@@ -504,3 +504,35 @@ def test_windows_are_read_as_of_the_read_time(pipeline_run: PipelineRun) -> None
         assert later["last_items.1"] == 900  # a one-day window: still there
     finally:
         client.close()
+
+
+def test_a_deleted_users_remaining_events_are_served_nowhere_and_verify_agrees(
+    pipeline_run: PipelineRun,
+) -> None:
+    """A personal entity exists while its own row does (issue 30): a user deleted
+    while its events remain (no cascade) leaves a tombstone, and `pipeline verify`,
+    which sees only the remaining rows, agrees (it reported the user missing)."""
+    run = pipeline_run
+    sql(
+        run,
+        "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
+        "(1007, 'us-east', 'US', 1, 'g@example.org')",
+    )
+    add_event(run, 1007, 950, 3, "4.00", "us-east", "view", 2)
+    add_event(run, 1007, 951, 3, "4.00", "us-east", "click", 1)
+    wait_for(
+        "user 1007's events",
+        lambda: (vector(run, "us-east", "user", 1007) or {}).get("clicks_30m") == 1,
+    )
+    sql(run, "DELETE FROM {s}.users WHERE user_id = 1007")
+    wait_for("user 1007 gone", lambda: vector(run, "us-east", "user", 1007) is None)
+    bootstrap = run.settings.kafka.bootstrap_servers
+    topic, group = (
+        run.settings.pipeline.region_topic("us-east"),
+        run.settings.pipeline.region_app_id("us-east"),
+    )
+    wait_for("us-east caught up", lambda: asyncio.run(caught_up(bootstrap, group, topic)))
+    report = verify(run.settings, ["us-east"])
+    assert report.ok, report.to_dict()["mismatches"][:5]
+    # The item the view fed still counts it (items are shared: no own row needed).
+    assert (vector(run, "us-east", "item", 950) or {}).get("views_1h") == 1
