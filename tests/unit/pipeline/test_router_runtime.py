@@ -189,6 +189,7 @@ def test_a_truncate_reaches_every_partition_of_every_region() -> None:
 
 # -- dead letters -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("what", "topic", "book", "row", "region", "whole"),
     [
