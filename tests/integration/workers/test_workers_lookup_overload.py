@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -44,55 +41,15 @@ BURST = 1000  # concurrent requests: the server's default max_connections
 ROUNDS = 5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def redis_port() -> Iterator[int]:
-    """A redis-server of this module's own on a free loopback port, stopped at the end."""
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    workdir = tempfile.mkdtemp(prefix="edgefeed-overload-redis-")
-    for _attempt in range(5):
-        port = _free_port()
-        argv = [binary, "--port", str(port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no", "--dir", workdir]
-        process = subprocess.Popen(
-            argv,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        with redis.Redis(port=port) as probe:
-            while process.poll() is None and time.monotonic() < deadline:
-                try:
-                    probe.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.01)
-        if process.poll() is None and time.monotonic() < deadline:
-            break
-        process.kill()
-        process.wait()
-    else:
-        pytest.fail("could not start redis-server on a free port")
-    try:
-        yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+def redis_port(workers_redis_url: str) -> int:
+    """The workers' own redis-server (tests/integration/workers/conftest.py)."""
+    return int(workers_redis_url.rsplit(":", 1)[1].split("/", 1)[0])
 
 
 @pytest.fixture
 def region(redis_port: int) -> RegionSettings:
-    """The region eu-west on the module's redis-server, flushed."""
+    """The region eu-west on the workers' redis-server, flushed."""
     with redis.Redis(port=redis_port) as client:
         client.flushdb()
     return RegionSettings(
