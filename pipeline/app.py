@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -44,6 +45,7 @@ from pipeline.faustcompat import (
     use_state_codec,
     wait_delivered,
 )
+from pipeline.faustlocal import LocalChangelog, LocalTableStore
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
 from pipeline.history import (
@@ -57,11 +59,13 @@ from pipeline.history import (
 )
 from pipeline.history import read_records as read_history_records
 from pipeline.homes import HomeBook
+from pipeline.localstore import LocalStates
 from pipeline.metrics import PipelineMetrics
 from pipeline.names import HOMES_TABLE, STATE_TABLE
 from pipeline.probes import Readiness, RegionReadiness, partition_marks
 from pipeline.routing import Router
 from pipeline.runtime import BatchPolicy, Delivery, QuietBatches, RegionRuntime
+from pipeline.runtime.region import renewal_due
 from pipeline.runtime.router import RouterRuntime, SourceRecord, dead_letter_headers
 from pipeline.statestore import (
     ChangelogFence,
@@ -662,7 +666,21 @@ def build_region_app(
 
     acker = _FaustAcker()
     pipeline = config.pipeline
-    changelog = _FaustChangelog(app, state)
+    local: LocalStates | None = None
+    changelog: _FaustChangelog | LocalChangelog
+    if pipeline.state_dir is not None:
+        # The states on local disk (pipeline.localstore), behind the same table.
+        local = LocalStates(
+            Path(pipeline.state_dir) / app_id,
+            lambda key, record: renewal_due(engine, key, record),
+            {e.name: e.version for e in config.entities},
+            cache_mb=pipeline.state_cache_mb,
+        )
+        state._data = LocalTableStore(app, state, local)  # type: ignore[attr-defined]
+        changelog = LocalChangelog(app, state, local)
+        log.info("region %s: entity states on local disk in %s", region_name, local.folder)
+    else:
+        changelog = _FaustChangelog(app, state)
     runtime = RegionRuntime(
         region=region_name,
         app_id=app_id,
@@ -681,6 +699,8 @@ def build_region_app(
         ),
         checkpoint_interval_s=pipeline.checkpoint_interval_s,
         on_fatal=app.crash,
+        store=local,
+        memory_bytes=pipeline.state_memory_mb << 20,
     )
 
     @state.on_recover
@@ -688,13 +708,20 @@ def build_region_app(
         """After a (re)assignment: the working states of the partitions now ours."""
         topic = changes.get_topic_name()
         ours = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == topic}
-        runtime.recovered(rebuild_states(state.items(), lambda key: partition_of(key) in ours))
-        # Before anything is processed: a new epoch on each partition, so that a late
-        # checkpoint of a previous owner (out of the group, still running) is ignored
-        # by every later recovery (pipeline.statestore, "Owner epochs").
-        changelog.fence.keep(ours)  # Faust's memory store dropped the others' records
-        await changelog.own(sorted(ours))
-        log.info("recovered %d entity states for partitions %s", len(runtime.live), sorted(ours))
+        if isinstance(changelog, LocalChangelog):
+            runtime.resumed(sorted(ours))  # on disk: read when needed
+            await changelog.own(sorted(ours))
+            log.info("resumed partitions %s from the local state store", sorted(ours))
+        else:
+            runtime.recovered(rebuild_states(state.items(), lambda key: partition_of(key) in ours))
+            # Before anything is processed: a new epoch on each partition, so that a
+            # late checkpoint of a previous owner (out of the group, still running) is
+            # ignored by every later recovery (pipeline.statestore, "Owner epochs").
+            changelog.fence.keep(ours)  # Faust's memory store dropped the others' records
+            await changelog.own(sorted(ours))
+            log.info(
+                "recovered %d entity states for partitions %s", len(runtime.live), sorted(ours)
+            )
         if readiness is not None:
             readiness.recovered(ours)
 

@@ -10,6 +10,7 @@ __all__ = [
     "PipelineError",
     "PoisonEventError",
     "SinkUnavailableError",
+    "StateStoreError",
 ]
 
 
@@ -46,5 +47,13 @@ class SinkUnavailableError(PipelineError):
     """A dependency the worker writes to (the region's Redis) did not answer: a
     connection refused or reset, a timeout, a server still loading. Retryable: the
     worker keeps the batch, acks nothing, and retries with backoff."""
+
+    retryable = True
+
+
+class StateStoreError(PipelineError):
+    """The worker's local state store cannot be written or read (a full disk, an I/O
+    error, a folder another process holds; pipeline.localstore). The worker stops
+    consuming and acks nothing until it can write again: no change is lost."""
 
     retryable = True

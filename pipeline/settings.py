@@ -355,6 +355,17 @@ class PipelineSettings(BaseModel):
             collection; in between, long-lived objects are frozen out of the
             collector's sight (see pipeline.gctune): full collections of a big
             state paused a worker for hundreds of milliseconds.
+        state_dir: Where regional workers keep their entity states on local disk
+            (pipeline.localstore: one RocksDB per changelog partition, with the
+            changelog offset it reflects), so that a worker holds only its hot
+            entities in memory and a restart reads only the changelog's tail.
+            Each worker takes a folder of its own under ``<state_dir>/<app id>``.
+            None: every state in memory, recovered whole from the changelog
+            (a small region, or tests).
+        state_memory_mb: With ``state_dir``: the estimated memory of the entity
+            states a worker keeps in memory (the least recently used clean ones
+            are dropped beyond it, and read again from disk when needed).
+        state_cache_mb: With ``state_dir``: RocksDB's block cache, per worker.
         ready_max_behind_s: How far behind its change topic a regional worker may
             be and still answer ``/readyz`` with 200 (``pipeline run
             --metrics-port``; pipeline.probes). A worker with nothing waiting is
@@ -376,6 +387,9 @@ class PipelineSettings(BaseModel):
     checkpoint_interval_s: float = Field(default=1.0, gt=0, le=60)
     gc_full_interval_s: float = Field(default=600.0, ge=10)
     ready_max_behind_s: float = Field(default=30.0, gt=0)
+    state_dir: str | None = None
+    state_memory_mb: int = Field(default=1024, ge=16, le=1_048_576)
+    state_cache_mb: int = Field(default=64, ge=8, le=65_536)
     rebuild: Literal["auto", "off"] = "auto"
 
     @property

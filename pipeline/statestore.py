@@ -44,6 +44,7 @@ __all__ = [
     "checkpoint_key",
     "fence_key",
     "rebuild_states",
+    "state_from_records",
     "store_state",
 ]
 
@@ -118,7 +119,7 @@ def rebuild_states(
 ) -> dict[str, EntityState]:
     """The working states from the table's records, for the entities ``owned`` says
     are this worker's (by entity key)."""
-    states: dict[str, EntityState] = {}
+    entity_records: dict[str, Any] = {}
     rows_of: dict[str, list[tuple[str, str, list[Any]]]] = {}
     for stored_key, value in records:
         key, sep, rest = stored_key.partition(ROW_SEP)
@@ -128,17 +129,32 @@ def rebuild_states(
             name, _, _chunk = rest.partition(ROW_SEP)
             rows_of.setdefault(key, []).extend((name, pk, e) for pk, e in value.items())
             continue
-        restored = EntityState(value)
+        entity_records[key] = value
+    states: dict[str, EntityState] = {}
+    for key in [*entity_records, *(k for k in rows_of if k not in entity_records)]:
+        state = state_from_records(entity_records.get(key), rows_of.get(key, ()))
+        if state is not None:
+            states[key] = state
+    return states
+
+
+def state_from_records(
+    record: Any, rows: Iterable[tuple[str, str, list[Any]]]
+) -> EntityState | None:
+    """One entity's working state from its entity record (None: missing) and its
+    rows as ``(table, pk, entry)`` from its chunk records; None when it has neither."""
+    entries = list(rows)
+    if record is not None:
+        state = EntityState(record)
         # A state written whole (rows included, before per-row records): its rows go
         # out as row records at the next checkpoint.
-        rows = restored["rows"] = {t: dict(r) for t, r in (restored.get("rows") or {}).items()}
-        restored.changed.update((t, chunk_of(e[_T])) for t, r in rows.items() for e in r.values())
-        states[key] = restored
-    for key, entries in rows_of.items():
-        found = states.get(key)
-        if found is None:  # rows without their entity record: a cut-short checkpoint
-            top = max(int(entry[0]) for _, _, entry in entries)
-            found = states[key] = EntityState(rows={}, lsn=top, rev=0, ts=0, gone=None)
-        for name, pk, entry in entries:
-            found["rows"].setdefault(name, {})[pk] = entry
-    return states
+        found = state["rows"] = {t: dict(r) for t, r in (state.get("rows") or {}).items()}
+        state.changed.update((t, chunk_of(e[_T])) for t, r in found.items() for e in r.values())
+    elif entries:  # rows without their entity record: a cut-short checkpoint
+        top = max(int(entry[0]) for _, _, entry in entries)
+        state = EntityState(rows={}, lsn=top, rev=0, ts=0, gone=None)
+    else:
+        return None
+    for name, pk, entry in entries:
+        state["rows"].setdefault(name, {})[pk] = entry
+    return state

@@ -63,6 +63,9 @@ class CheckpointLedger:
     """
 
     interval_s: float = 1.0
+    # A checkpoint falls due for changed states alone, with no message behind them
+    # (the bookkeeping of a renewed vector, with a local store).
+    states_alone: bool = False
     dirty: dict[str, tuple[Delivery, Any]] = field(default_factory=dict)
     ready: list[Delivery] = field(default_factory=list)
     last_at: float = 0.0
@@ -84,6 +87,11 @@ class CheckpointLedger:
             self.dirty[key] = (delivery, state)
         self.ready.extend(deliveries)
 
+    def changed(self, key: str, delivery: Delivery, state: Any) -> None:
+        """A state changed without a message (its bookkeeping): it awaits the
+        changelog under ``delivery`` (its partition) unless it already does."""
+        self.dirty.setdefault(key, (delivery, state))
+
     def due(self, now: float) -> bool:
         """True when a checkpoint should start: messages wait, the interval has passed,
         and none is running."""
@@ -93,7 +101,7 @@ class CheckpointLedger:
     def due_at(self) -> float | None:
         """When the next checkpoint falls due; None while nothing waits for one (or one
         is running: its end is the next event)."""
-        if not self.ready or self.running is not None:
+        if self.running is not None or not (self.ready or (self.states_alone and self.dirty)):
             return None
         return self.last_at + self.interval_s
 

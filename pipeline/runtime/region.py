@@ -27,21 +27,30 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from edge_cache import Delete, Upsert
-from pipeline.exceptions import PoisonEventError, SinkUnavailableError
+from pipeline.exceptions import PoisonEventError, SinkUnavailableError, StateStoreError
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.messages import RegionalChange, decode_pack
 from pipeline.metrics import PipelineMetrics
 from pipeline.runtime.batch import BatchPolicy, RegionBatch, SnapshotLane, Touched
 from pipeline.runtime.ledger import Checkpoint, CheckpointLedger, Delivery
+from pipeline.runtime.states import StateCache
 
-__all__ = ["Acker", "CacheSink", "ChangelogSink", "DeadLetterSink", "RegionRuntime"]
+__all__ = [
+    "Acker",
+    "CacheSink",
+    "ChangelogSink",
+    "DeadLetterSink",
+    "LocalStore",
+    "RegionRuntime",
+    "renewal_due",
+]
 
 log = logging.getLogger("edgefeed.pipeline")
 
@@ -126,6 +135,52 @@ class Acker(Protocol):
     async def ack(self, delivery: Delivery) -> None: ...
 
 
+class LocalStore(Protocol):
+    """The worker's states on local disk (pipeline.localstore.LocalStates): what the
+    changelog holds up to a saved offset, per partition, with the renewal index."""
+
+    def load(self, key: str, partition: int) -> EntityState | None:
+        """The entity's state as stored (None: none)."""
+        ...
+
+    def due(
+        self, partition: int, after: bytes | None, now_us: int, limit: int
+    ) -> list[tuple[int, str, bytes]]:
+        """Renewal index entries due by ``now_us`` after ``after``: (until, key, index key)."""
+        ...
+
+    def entity_keys(self, partition: int) -> Iterator[str]:
+        """Every entity stored for ``partition``."""
+        ...
+
+    def check(self) -> None:
+        """Raise StateStoreError unless the store takes writes again."""
+        ...
+
+
+def renewal_due(engine: FeatureEngine, key: str, record: Mapping[str, Any]) -> int | None:
+    """When the vector of the entity whose record is ``record`` must be written
+    again (microseconds; 0: at once), None: not before it changes. At once: a
+    state that went ahead of the vector the cache holds (``wrev`` is not its
+    ``rev``), or that was written under another feature-set version."""
+    try:
+        version = engine.engine(key.split(":", 1)[0]).schema.version
+    except Exception:  # an entity type no longer declared: nothing to write
+        return None
+    if record.get("wrev") != record.get("rev") or record.get("v") != version:
+        return 0
+    until = record.get("until")
+    return until if isinstance(until, int) else None
+
+
+class _Loader:
+    def __init__(self, store: LocalStore, partition_of: Callable[[str], int]) -> None:
+        self.store, self.partition_of = store, partition_of
+
+    def load(self, key: str) -> EntityState | None:
+        return self.store.load(key, self.partition_of(key))
+
+
 class RegionRuntime:
     """One regional worker's processing, independent of Faust.
 
@@ -143,6 +198,11 @@ class RegionRuntime:
         clock: Monotonic seconds (tests pass a fake).
         wall: Seconds since the epoch: the read time vectors are written as of, and
             when their schedules run out (tests pass a fake).
+        store: The states on local disk (None: every state in memory, recovered
+            whole from the changelog).
+        memory_bytes: With ``store``: the estimated memory of the states kept in
+            memory, above which the least recently used clean ones are dropped
+            (read again from the store when needed).
     """
 
     def __init__(
@@ -162,8 +222,11 @@ class RegionRuntime:
         on_fatal: Callable[[BaseException], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        store: LocalStore | None = None,
+        memory_bytes: int | None = None,
     ) -> None:
         self.region = region
+        self.store = store
         self.wall = wall
         self.engine = engine
         self.partition_of = partition_of
@@ -173,8 +236,16 @@ class RegionRuntime:
         self.lane = SnapshotLane(self.batch.policy.lane_s, self.batch.policy.max_changes)
         self.clock = clock
         # The first checkpoint comes one interval after the start, like every other.
-        self.ledger = CheckpointLedger(checkpoint_interval_s, last_at=clock())
-        self.live: dict[str, EntityState] = {}
+        # With a store, changed bookkeeping (a vector renewed) is checkpointed too.
+        self.ledger = CheckpointLedger(
+            checkpoint_interval_s, last_at=clock(), states_alone=store is not None
+        )
+        self.live = StateCache(
+            _Loader(store, partition_of) if store is not None else None, memory_bytes
+        )
+        # With a store: partition -> the last renewal index entry read (None: none).
+        self._cursors: dict[int, bytes | None] = {}
+        self.store_error: BaseException | None = None  # the last failed local write
         self.on_fatal = on_fatal
         self._flush_lock = asyncio.Lock()
         self._checkpoint_lock = asyncio.Lock()
@@ -218,6 +289,7 @@ class RegionRuntime:
         # time in ms of the newest change in it; 0: none yet) since the last recovery:
         # what the readiness probe compares with the log's end (pipeline.probes).
         self.progress: dict[int, tuple[int, int]] = {}
+        self._next_store_due = 0.0  # when the store's renewal index is read next
 
     # -- recovery ------------------------------------------------------------------------------
 
@@ -252,10 +324,26 @@ class RegionRuntime:
         self._next_intact_check = self.clock()
         self._wake.set()
 
+    def resumed(self, partitions: Sequence[int]) -> None:
+        """After a (re)assignment, with a store: the states of ``partitions`` are on
+        local disk up to the changelog's end; nothing is read now. Each is read
+        when a change or a renewal first needs it; what is due (the renewal index,
+        pipeline.localstore) is found by range reads from its start."""
+        self.live.clear()
+        self.progress.clear()
+        self._renew_at.clear()
+        self._renewals = []
+        self._cursors = dict.fromkeys(sorted(partitions))
+        self._next_store_due = 0.0
+        self._next_intact_check = self.clock()
+        self._wake.set()
+
     # -- messages ------------------------------------------------------------------------------
 
     async def on_message(self, delivery: Delivery, value: bytes) -> None:
         """Apply one regional message (a pack of changes, or one change)."""
+        if self.store_error is not None:
+            await self._until_store_writable()
         self.ledger.received(delivery)
         if self.batch.opened_at is None:
             self._wake.set()  # a batch opens: its due time is the next duty
@@ -276,7 +364,7 @@ class RegionRuntime:
                 if change.op == "h":
                     await self._history_marker(change, delivery)
                     continue
-                self._apply(change, delivery)
+                await self._apply_stored(change, delivery)
             except Exception as exc:
                 # PoisonEventError for a bad change; anything else is a bug this change
                 # met: dead-lettered with the reason, never a crash (a crash would
@@ -290,6 +378,22 @@ class RegionRuntime:
         self.progress[delivery.partition] = (delivery.offset + 1, newest_ms)
         if self.batch.due(self.clock()):
             await self.flush()
+
+    async def _apply_stored(self, change: RegionalChange, delivery: Delivery) -> None:
+        """Apply ``change``; a state the local store cannot read is waited for (the
+        change is never dead-lettered for the disk's fault)."""
+        while True:
+            try:
+                self._apply(change, delivery)
+                return
+            except StateStoreError as exc:
+                self._store_failed(exc)
+                await self._until_store_writable()
+
+    def _store_failed(self, exc: StateStoreError) -> None:
+        if self.store_error is None:
+            log.error("region %s: %s", self.region, exc)
+        self.store_error = exc
 
     def _apply(self, change: RegionalChange, delivery: Delivery) -> None:
         if change.op == "t":
@@ -344,15 +448,31 @@ class RegionRuntime:
         )
 
     def _truncate(self, change: RegionalChange, delivery: Delivery) -> None:
-        for key in list(self.live):
+        for key in self._keys(delivery.partition):
             # The router sends a truncate to every partition; each copy handles only
             # the entities of its own partition.
             if self.partition_of(key) != delivery.partition:
                 continue
-            current = self.live[key]
+            current = self.live.get(key)
+            if current is None:
+                continue
             entity_type, entity_id = key.split(":", 1)
             if self.engine.engine(entity_type).truncate(current, change):
+                self.live[key] = current
                 self.batch.touch(key, Touched(entity_type, entity_id, delivery, current))
+
+    def _keys(self, partition: int | None = None) -> Iterator[str]:
+        """The entity keys of ``partition`` (None: of all), stored or in memory only
+        (new since the last checkpoint); a key may come twice."""
+        if self.store is None:
+            yield from [
+                k for k in self.live if partition is None or self.partition_of(k) == partition
+            ]
+            return
+        dirty = [k for k in self.live if self.live.generation(k) is not None]
+        for p in sorted(self._cursors) if partition is None else [partition]:
+            yield from self.store.entity_keys(p)
+        yield from (k for k in dirty if partition is None or self.partition_of(k) == partition)
 
     async def _dead_letter(
         self, delivery: Delivery, value: bytes, exc: Exception, index: int | None
@@ -371,11 +491,21 @@ class RegionRuntime:
         """Close a batch no further message will close (the stream went quiet),
         checkpoint once the interval has passed, and now and then check that the cache
         still holds what was written."""
+        try:
+            await self._tick()
+        except StateStoreError as exc:  # a renewal or a refill could not read a state
+            self._store_failed(exc)
+
+    async def _tick(self) -> None:
         now = self.clock()
         if self.batch.due(now) or self._checkpoint_due(now) or self.lane.due(now):
             await self.flush()
         if self._renewals and self._renewals[0][0] <= self._now_us():
             await self.renew()
+        elif self.store is not None and now >= self._next_store_due:
+            self._next_store_due = now + IDLE_TICK_S
+            while await self.renew() >= RENEW_SLICE:
+                pass
         if now >= self._next_intact_check:
             if self._flush_lock.locked():  # a write is retrying: ask again soon
                 self._next_intact_check = now + IDLE_TICK_S
@@ -422,25 +552,33 @@ class RegionRuntime:
             except SinkUnavailableError:
                 return False  # the next write retries; the next check asks again
             log.warning(
-                "region %s: the cache lost its data; writing all %d vectors again",
-                self.region,
-                len(self.live),
+                "region %s: the cache lost its data; writing every vector again", self.region
             )
             self._refills.inc()
-            keys = [key for key in self.live if key not in self.quarantined]
-            for start in range(0, len(keys), REFILL_SLICE):
-                ops: list[Upsert | Delete] = []
-                for key in keys[start : start + REFILL_SLICE]:
-                    entity_type, entity_id = key.split(":", 1)
-                    ops.append(
-                        self.engine.engine(entity_type).write_op(
-                            entity_id, self.live[key], self._now_ms()
-                        )
-                    )
-                await self._write(ops, keys[start : start + REFILL_SLICE], again=True)
+            keys: list[str] = []
+            for key in self._keys():
+                if key not in self.quarantined:
+                    keys.append(key)
+                if len(keys) >= REFILL_SLICE:
+                    await self._refill(keys)
+                    keys = []
+            await self._refill(keys)
             self._to_list.update(self.quarantined)  # the list went with the data
             await self._report_quarantine()
             return True
+
+    async def _refill(self, keys: list[str]) -> None:
+        ops: list[Upsert | Delete] = []
+        written: list[str] = []
+        for key in keys:
+            state = self.live.get(key)
+            if state is None:
+                continue
+            entity_type, entity_id = key.split(":", 1)
+            ops.append(self.engine.engine(entity_type).write_op(entity_id, state, self._now_ms()))
+            written.append(key)
+        if ops:
+            await self._write(ops, written, again=True)
 
     async def flush(self, *, lane: bool = False) -> None:
         """Write the open batch's vectors to the cache (those of entities only snapshot
@@ -544,6 +682,13 @@ class RegionRuntime:
             if state is not None:
                 # Kept in the entity record: after a restart, a vector the cache holds
                 # is renewed when its schedule runs out, not rewritten at once.
+                if self.store is not None and (
+                    state.get("wrev") != op.position.seq or state.get("until") != until
+                ):
+                    # On disk, the record is the schedule (the renewal index): it
+                    # goes to the next checkpoint, and stays in memory until then.
+                    self.live.changed(key)
+                    self.ledger.changed(key, Delivery(self.partition_of(key), -1), state)
                 state["wrev"] = op.position.seq  # the revision this vector is of
                 state["until"] = until  # None: its schedule never runs out
             if until is None:
@@ -578,6 +723,8 @@ class RegionRuntime:
                 )
                 keys.append(key)
                 untils.append(until)
+            if self.store is not None:
+                self._due_from_store(now_us, ops, keys, untils)
             if ops:
                 await self._write(ops, keys, again=True)
                 self._renewed.inc(len(ops))
@@ -587,11 +734,40 @@ class RegionRuntime:
                     self._renewal_lag.observe(max(0.0, (written_us - until) / 1e6))
             return len(ops)
 
+    def _due_from_store(
+        self, now_us: int, ops: list[Upsert | Delete], keys: list[str], untils: list[int]
+    ) -> None:
+        """Add to ``ops`` the renewals the store's index says are due (up to the slice),
+        skipping entries that no longer hold: the entity changed since (its state in
+        memory decides), or its vector is written by other means."""
+        assert self.store is not None
+        for partition, cursor in list(self._cursors.items()):
+            room = RENEW_SLICE - len(ops)
+            if room <= 0:
+                return
+            for until, key, index_key in self.store.due(partition, cursor, now_us, room):
+                self._cursors[partition] = index_key
+                if key in self._renew_at or key in self.quarantined or key in keys:
+                    continue  # scheduled in memory since (the newer schedule)
+                if self.live.generation(key) is not None:
+                    continue  # changed: its batch writes it, its checkpoint indexes it
+                state = self.live.get(key)
+                if state is None or renewal_due(self.engine, key, state) != until:
+                    continue  # an entry its next checkpoint removes
+                entity_type, entity_id = key.split(":", 1)
+                ops.append(
+                    self.engine.engine(entity_type).write_op(entity_id, state, now_us // 1000)
+                )
+                keys.append(key)
+                untils.append(until)
+
     def _quarantine(self, key: str, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         state = self.live.get(key)
-        if state is not None:
-            state.pop("wrev", None)  # its vector is not in the cache: written after a restart
+        # Its vector is not in the cache: written after a restart.
+        if state is not None and state.pop("wrev", None) is not None and self.store is not None:
+            self.live.changed(key)
+            self.ledger.changed(key, Delivery(self.partition_of(key), -1), state)
         if key not in self.quarantined:
             log.error("region %s: entity %s quarantined: %s", self.region, key, reason)
         self.quarantined[key] = reason[:500]
@@ -648,6 +824,10 @@ class RegionRuntime:
     async def _checkpoint_or_fail(self) -> None:
         try:
             await self.checkpoint()
+        except StateStoreError as exc:
+            # A full disk: stop consuming (on_message waits) and retry, acking
+            # nothing meanwhile; a restart would only meet the same disk.
+            self._store_failed(exc)
         except Exception as exc:
             log.exception("checkpoint failed")
             if self.on_fatal is None:
@@ -676,14 +856,55 @@ class RegionRuntime:
 
     async def _store(self, checkpoint: Checkpoint) -> None:
         states = checkpoint.states
+        generations: list[tuple[str, int | None]] = []
         for start in range(0, len(states), CHECKPOINT_SLICE):
             for key, delivery, state in states[start : start + CHECKPOINT_SLICE]:
                 self.engine.engine(key.split(":", 1)[0]).prune(state)
+                generations.append((key, self.live.generation(key)))
                 self.changelog.store(key, state, delivery)
             await self.changelog.relieve()
             await asyncio.sleep(0)
         if states:
             await self.changelog.close(checkpoint.partitions)
+        if self.store is not None:
+            # On disk now: clean again unless changed since; a schedule the store's
+            # index holds (ahead of what its reads have passed) leaves memory.
+            self.live.stored(generations)
+            now_us = self._now_us()
+            for key, _ in generations:
+                until = self._renew_at.get(key)
+                state = self.live.get(key) if until is not None else None
+                if (
+                    until is not None
+                    and until > now_us
+                    and state is not None
+                    and self.live.generation(key) is None
+                    and state.get("until") == until
+                ):
+                    del self._renew_at[key]  # its heap entry is skipped as stale
+
+    async def _until_store_writable(self) -> None:
+        """Wait, consuming nothing, until a checkpoint reaches the local store again
+        (retried with backoff; logged once per minute)."""
+        delay = self.retry_first_s
+        logged = self.clock()
+        while self.store_error is not None:
+            await asyncio.sleep(delay)
+            delay = min(self.retry_max_s * 5, delay * 2)
+            if self._checkpoint_pending():
+                continue
+            try:
+                if self.store is not None:
+                    self.store.check()
+                await self.flush()
+                await self.checkpoint()
+            except StateStoreError as exc:
+                if self.clock() - logged >= 60:
+                    logged = self.clock()
+                    log.error("region %s: still waiting for the state store: %s", self.region, exc)
+                continue
+            log.warning("region %s: the state store is writable again", self.region)
+            self.store_error = None
 
     async def on_revoke(self) -> None:
         """Before partitions move: write the changed states and ack their messages.

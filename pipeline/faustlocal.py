@@ -1,0 +1,226 @@
+"""The local state store (pipeline.localstore) behind Faust's table of entity states.
+
+Faust still runs the recovery: on an assignment it pauses the stream, reads each
+changelog partition from the offset the store reports (``persisted_offset``) to
+its end, hands the records to the store (``apply_changelog_batch``), then calls
+the table's recovery callbacks and resumes. What changes is what it reads: only
+the tail after the offset the store saved, and what it keeps: nothing in memory.
+
+Faust's own ``rocksdb://`` store is not used: its writes go to the partition of
+the current stream event and it keeps an index of every key in memory; this one
+writes a checkpoint's records only once the broker acknowledged them, with the
+offset the broker gave them, and holds no per-key structure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import faust
+import orjson
+from faust.stores.base import Store
+
+from pipeline.faustcompat import record_epoch, relieve_producer
+from pipeline.features import EntityState
+from pipeline.localstore import LocalStates
+from pipeline.runtime.ledger import Delivery
+from pipeline.statestore import EPOCH_HEADER, checkpoint_key, fence_key, store_state
+
+__all__ = ["LocalChangelog", "LocalTableStore"]
+
+log = logging.getLogger("edgefeed.pipeline")
+
+
+class LocalTableStore(Store[Any, Any]):
+    """The table's storage as Faust sees it: offsets and recovery batches go to the
+    partition databases; nothing is read through Faust's mapping interface."""
+
+    def __init__(self, app: faust.App, table: Any, local: LocalStates) -> None:
+        super().__init__("edgefeed-local://", app, table)
+        self.local = local
+        self.read: dict[int, int] = defaultdict(int)  # partition -> records recovered
+
+    def persisted_offset(self, tp: Any) -> int | None:
+        store = self.local.partition(tp.partition)
+        offset = store.offset()
+        if offset is None:
+            log.warning(
+                "state partition %d: no local state in %s; rebuilding it from the "
+                "changelog (read whole)",
+                tp.partition,
+                store.path,
+            )
+        else:
+            log.info(
+                "state partition %d: local state in %s at changelog offset %d; reading "
+                "the changelog's tail after it",
+                tp.partition,
+                store.path,
+                offset,
+            )
+        return offset
+
+    def set_persisted_offset(self, tp: Any, offset: int) -> None:
+        """Ignored: the offset is saved with the records it covers (LocalChangelog)."""
+
+    def apply_changelog_batch(self, batch: Iterable[Any], to_key: Any, to_value: Any) -> None:
+        by_partition: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+        offsets: dict[int, int] = {}
+        for event in batch:
+            message = event.message
+            partition = message.partition
+            offsets[partition] = max(offsets.get(partition, -1), message.offset)
+            store = self.local.partition(partition)
+            if store.admit(record_epoch(event)):
+                # The key as the worker writes it (the table's key serializer is
+                # JSON on the wire: the event's key is the decoded string).
+                by_partition[partition].append((_key(event), message.value))
+        for partition, offset in offsets.items():
+            records = by_partition.get(partition, [])
+            self.local.records_applied(partition, records, offset)
+            self.read[partition] += len(records)
+
+    def reset_state(self) -> None:
+        """Nothing: the partition databases stay (the changelog brings them up to date)."""
+
+    async def need_active_standby_for(self, tp: Any) -> bool:
+        return True
+
+    async def on_rebalance(self, *args: Any, **kwargs: Any) -> None:
+        self.read.clear()
+
+    async def on_recovery_completed(self, *args: Any, **kwargs: Any) -> None:
+        for partition, count in sorted(self.read.items()):
+            log.info("state partition %d: %d changelog records recovered", partition, count)
+
+    async def backup_partition(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to back up: the changelog is the backup."""
+
+    def restore_backup(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to restore: the changelog is the backup."""
+
+    # Faust's mapping interface: the worker reads the partition databases itself.
+    def __getitem__(self, key: Any) -> Any:
+        raise KeyError(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError("the entity states are written by the worker's checkpoints")
+
+    def __delitem__(self, key: Any) -> None:
+        raise TypeError("the entity states are written by the worker's checkpoints")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def _clear(self) -> None:
+        """Nothing: see reset_state."""
+
+
+def _key(event: Any) -> bytes:
+    key = event.key
+    if isinstance(key, str):
+        return key.encode()
+    raw = event.message.key
+    if isinstance(raw, bytes) and raw.startswith(b'"'):
+        decoded = orjson.loads(raw)
+        if isinstance(decoded, str):
+            return decoded.encode()
+    return raw if isinstance(raw, bytes) else str(raw).encode()
+
+
+class _Writer(MutableMapping[str, Any]):
+    """One changelog partition as a checkpoint writes it: each record goes to the
+    broker now (encoded once) and to the local store once acknowledged."""
+
+    def __init__(self, sink: LocalChangelog, partition: int) -> None:
+        self.sink, self.partition = sink, partition
+
+    def __getitem__(self, key: str) -> Any:
+        raw = self.sink.local.partition(self.partition).db.get(key.encode())
+        if raw is None:
+            raise KeyError(key)
+        return orjson.loads(raw)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.sink.send(self.partition, key, orjson.dumps(value))
+
+    def __delitem__(self, key: str) -> None:
+        self.sink.send(self.partition, key, None)
+
+    def __contains__(self, key: object) -> bool:
+        db = self.sink.local.partition(self.partition).db
+        return isinstance(key, str) and db.get(key.encode()) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sink.local.partition(self.partition).entity_keys())
+
+    def __len__(self) -> int:  # pragma: no cover - not used
+        raise TypeError("not counted")
+
+
+class LocalChangelog:
+    """ChangelogSink with a local store: records to the changelog, then, once the
+    broker has them, to the partition's database with the offset of the last."""
+
+    def __init__(self, app: faust.App, table: Any, local: LocalStates) -> None:
+        self.app, self.table, self.local = app, table, local
+        self.epochs: dict[int, int] = {}  # partition -> the epoch this worker owns it in
+        self._sent: list[tuple[int, bytes, bytes | None, Any]] = []
+
+    def send(self, partition: int, key: str, value: bytes | None) -> None:
+        epoch = self.epochs.get(partition)
+        future = self.table.changelog_topic.send_soon(
+            key=key,
+            value=value,
+            partition=partition,
+            headers={EPOCH_HEADER: str(epoch).encode()} if epoch is not None else None,
+            key_serializer=self.table.key_serializer,
+            value_serializer="raw",
+            eager_partitioning=True,
+        )
+        self._sent.append((partition, key.encode(), value, future))
+
+    async def own(self, partitions: Sequence[int]) -> None:
+        """After a recovery: open a new owner epoch on each partition now ours."""
+        for partition in partitions:
+            epoch = self.epochs[partition] = self.local.partition(partition).next_epoch()
+            self.send(partition, fence_key(partition), orjson.dumps({"epoch": epoch}))
+        await self._deliver()
+
+    def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
+        store_state(_Writer(self, delivery.partition), key, state)
+
+    async def relieve(self) -> None:
+        await relieve_producer(self.app)
+
+    async def close(self, partitions: Mapping[int, Delivery]) -> None:
+        # The closing record in a batch of its own, as in app._FaustChangelog.close
+        # (Tansu reports a partition's end as the start of its last record batch).
+        await self._deliver()
+        now_ms = int(time.time() * 1000)
+        for partition in partitions:
+            self.send(partition, checkpoint_key(partition), orjson.dumps({"at_ms": now_ms}))
+        await self._deliver()
+
+    async def _deliver(self) -> None:
+        """Wait until the broker has every record sent, then write them to the local
+        store, per partition in one batch with the offset of the last."""
+        sent, self._sent = self._sent, []
+        if not sent:
+            return
+        await self.app.producer.flush()
+        records: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+        offsets: dict[int, int] = {}
+        for partition, key, value, future in sent:
+            metadata = await future
+            records[partition].append((key, value))
+            offsets[partition] = max(offsets.get(partition, -1), int(metadata.offset))
+        for partition, found in records.items():
+            self.local.records_applied(partition, found, offsets[partition])

@@ -1,0 +1,530 @@
+"""The regional worker's states on local disk (pipeline.localstore, a real RocksDB
+in a temporary folder) and the bounded cache in front of them
+(pipeline.runtime.states), alone and under the worker's runtime."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+from test_runtime import (  # type: ignore[import-not-found]
+    SETTINGS,
+    T0,
+    Clock,
+    FakeAcker,
+    FakeCache,
+    FakeDeadLetters,
+    Journal,
+    acked,
+    pack,
+    view,
+)
+
+from pipeline.exceptions import StateStoreError
+from pipeline.faustlocal import _Writer
+from pipeline.features import EntityState, FeatureEngine
+from pipeline.localstore import LocalStates
+from pipeline.metrics import PipelineMetrics
+from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime
+from pipeline.runtime.region import renewal_due
+from pipeline.runtime.states import ENTITY_BYTES, ROW_BYTES, StateCache
+from pipeline.statestore import checkpoint_key, store_state
+
+VERSIONS = {e.name: e.version for e in SETTINGS.entities}
+
+
+def until_of(key: str, record: Mapping[str, Any]) -> int | None:
+    until = record.get("until")
+    return until if isinstance(until, int) else None
+
+
+def open_states(root: Path, renewal_of: Any = until_of) -> LocalStates:
+    return LocalStates(root, renewal_of, VERSIONS, cache_mb=8)
+
+
+def rec(value: Any) -> bytes:
+    return orjson.dumps(value)
+
+
+# -- the partition database ---------------------------------------------------------------
+
+
+def test_records_and_the_offset_they_reach_are_written_together(tmp_path: Path) -> None:
+    states = open_states(tmp_path)
+    store = states.partition(0)
+    assert store.offset() is None and store.created
+    row = [10, 0, T0, None, {"kind": "view"}]
+    store.apply(
+        [
+            (b"user:7", rec({"lsn": 10, "rev": 1, "ts": 0, "gone": None})),
+            (f"user:7\x1fpublic.events\x1f{T0 // 3_600_000}".encode(), rec({"1": row})),
+            (b"user:8", rec({"lsn": 11, "rev": 1, "ts": 0, "gone": None})),
+        ],
+        offset=41,
+    )
+    assert store.offset() == 41
+    loaded = store.load("user:7")
+    assert loaded is not None and loaded["lsn"] == 10
+    assert loaded["rows"] == {"public.events": {"1": row}}
+    assert store.load("user:9") is None
+    assert sorted(store.entity_keys()) == ["user:7", "user:8"]
+    states.close()
+    again = open_states(tmp_path)  # the same folder again: nothing read, all there
+    assert again.partition(0).offset() == 41
+    assert again.partition(0).load("user:8") is not None
+    assert not again.partition(0).created
+    again.close()
+
+
+def test_a_chunk_without_its_entity_record_still_loads(tmp_path: Path) -> None:
+    """A cut-short checkpoint: rows without the entity record (as rebuild_states)."""
+    states = open_states(tmp_path)
+    row = [12, 0, T0, None, {}]
+    states.partition(0).apply([(b"user:7\x1fpublic.events\x1f1", rec({"1": row}))], 3)
+    loaded = states.partition(0).load("user:7")
+    assert loaded is not None and loaded["lsn"] == 12 and loaded["rev"] == 0
+    states.close()
+
+
+def test_the_renewal_index_follows_each_entity_record(tmp_path: Path) -> None:
+    states = open_states(tmp_path)
+    store = states.partition(0)
+    store.apply([(b"user:1", rec({"until": 500})), (b"user:2", rec({"until": 300}))], 1)
+    store.apply([(b"user:3", rec({"until": None}))], 2)  # never runs out: not indexed
+    assert [(u, k) for u, k, _ in store.due(None, 1_000, 10)] == [(300, "user:2"), (500, "user:1")]
+    store.apply([(b"user:2", rec({"until": 900}))], 3)  # renewed: moved, not duplicated
+    assert [(u, k) for u, k, _ in store.due(None, 1_000, 10)] == [(500, "user:1"), (900, "user:2")]
+    store.apply([(b"user:1", None)], 4)  # deleted: gone from the index
+    assert [k for _, k, _ in store.due(None, 1_000, 10)] == ["user:2"]
+    # in one batch, the last record of a key decides
+    store.apply([(b"user:4", rec({"until": 100})), (b"user:4", rec({"until": 200}))], 5)
+    assert [(u, k) for u, k, _ in store.due(None, 250, 10)] == [(200, "user:4")]
+    states.close()
+
+
+def test_due_entries_are_read_after_a_cursor_up_to_now_and_a_limit(tmp_path: Path) -> None:
+    states = open_states(tmp_path)
+    store = states.partition(0)
+    store.apply([(f"user:{i}".encode(), rec({"until": 100 + i})) for i in range(10)], 1)
+    first = store.due(None, 105, 3)
+    assert [k for _, k, _ in first] == ["user:0", "user:1", "user:2"]
+    rest = store.due(first[-1][2], 105, 100)
+    assert [k for _, k, _ in rest] == ["user:3", "user:4", "user:5"]  # none after now
+    assert store.due(rest[-1][2], 105, 100) == []
+    states.close()
+
+
+def test_the_owner_fence_survives_a_restart(tmp_path: Path) -> None:
+    """Only the changelog's tail is read after a restart: the highest epoch seen
+    before it must still fence a late previous owner."""
+    states = open_states(tmp_path)
+    store = states.partition(0)
+    assert store.admit(3) and store.admit(None)
+    store.apply([], 10)
+    states.close()
+    again = open_states(tmp_path).partition(0)
+    assert not again.admit(2)  # an earlier owner's late record
+    assert again.admit(3)
+    assert again.next_epoch() == 4
+
+
+def test_changed_feature_versions_make_every_vector_due(tmp_path: Path) -> None:
+    states = LocalStates(
+        tmp_path, lambda k, r: renewal_due(FeatureEngine(SETTINGS.entities), k, r), VERSIONS
+    )
+    version = VERSIONS["user"]
+    record = {"rev": 2, "wrev": 2, "v": version, "until": 10**15}
+    states.partition(0).apply([(b"user:1", rec(record))], 1)
+    assert states.partition(0).due(None, 10**12, 10) == []
+    states.close()
+    bumped = {**VERSIONS, "user": version + 1}
+    engine = FeatureEngine(
+        [
+            e.model_copy(update={"version": version + 1}) if e.name == "user" else e
+            for e in SETTINGS.entities
+        ]
+    )
+    again = LocalStates(tmp_path, lambda k, r: renewal_due(engine, k, r), bumped)
+    assert [(u, k) for u, k, _ in again.partition(0).due(None, 10**12, 10)] == [(0, "user:1")]
+    again.close()
+
+
+def test_workers_on_one_host_take_folders_of_their_own(tmp_path: Path) -> None:
+    first, second = open_states(tmp_path), open_states(tmp_path)
+    assert {first.folder.name, second.folder.name} == {"w0", "w1"}
+    first.close()
+    third = open_states(tmp_path)  # a restarted worker takes the free one
+    assert third.folder.name == "w0"
+    second.close()
+    third.close()
+
+
+def test_a_write_the_disk_refuses_is_a_clear_error(tmp_path: Path) -> None:
+    states = open_states(tmp_path)
+    store = states.partition(0)
+    real = store._handle
+
+    class Refusing:
+        def write(self, batch: Any) -> None:
+            raise OSError("IO error: No space left on device: While appending to file")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    store._handle = Refusing()
+    with pytest.raises(StateStoreError, match="No space left") as caught:
+        store.apply([(b"user:1", rec({}))], 1)
+    assert str(tmp_path) in str(caught.value) and "pipeline.state_dir" in str(caught.value)
+    store._handle = real
+    store.apply([(b"user:1", rec({}))], 1)  # opened again: it writes once the disk does
+    assert store.offset() == 1
+    states.close()
+
+
+# -- the bounded cache --------------------------------------------------------------------
+
+
+class DictLoader:
+    def __init__(self) -> None:
+        self.stored: dict[str, EntityState] = {}
+        self.loads: list[str] = []
+
+    def load(self, key: str) -> EntityState | None:
+        self.loads.append(key)
+        found = self.stored.get(key)
+        return EntityState(found) if found is not None else None
+
+
+def entity(rows: int = 0) -> EntityState:
+    return EntityState(rows={"t": {str(i): [i, 0, 0, None, {}] for i in range(rows)}}, rev=1)
+
+
+def test_dirty_states_are_never_evicted_clean_ones_least_recent_first() -> None:
+    loader = DictLoader()
+    cache = StateCache(loader, budget_bytes=3 * ENTITY_BYTES)
+    for i in range(5):
+        cache[f"e:{i}"] = entity()  # all dirty: over budget, nothing dropped
+    assert len(cache) == 5 and cache.dirty == 5
+    for i in range(5):
+        loader.stored[f"e:{i}"] = cache[f"e:{i}"]
+    cache.get("e:0")  # used last: the most recent
+    cache.stored([(f"e:{i}", cache.generation(f"e:{i}")) for i in range(5)])
+    assert sorted(cache) == ["e:0", "e:3", "e:4"]  # e:1 and e:2 were the least recent
+    assert cache.weight <= 3 * ENTITY_BYTES
+    again = cache.get("e:1")  # read again from the store
+    assert again is not None and loader.loads == ["e:1"]
+
+
+def test_a_state_changed_after_its_checkpoint_took_it_stays_dirty() -> None:
+    cache = StateCache(DictLoader(), budget_bytes=0)
+    cache["e:1"] = entity()
+    taken = cache.generation("e:1")
+    cache["e:1"] = entity(2)  # changed while the checkpoint ran
+    cache.stored([("e:1", taken)])
+    assert "e:1" in cache and cache.generation("e:1") is not None
+    cache.stored([("e:1", cache.generation("e:1"))])
+    assert "e:1" not in cache  # budget 0: dropped once clean
+
+
+def test_the_weight_counts_rows() -> None:
+    cache = StateCache(DictLoader(), budget_bytes=10**9)
+    cache["e:1"] = entity(3)
+    assert cache.weight == ENTITY_BYTES + 3 * ROW_BYTES
+    del cache["e:1"]
+    assert cache.weight == 0
+
+
+def test_without_a_store_nothing_is_evicted() -> None:
+    cache = StateCache(None, budget_bytes=0)
+    cache["e:1"] = entity()
+    cache.stored([("e:1", cache.generation("e:1"))])
+    assert "e:1" in cache and cache.get("e:2") is None
+
+
+# -- the runtime on a local store --------------------------------------------------------
+
+
+class StoreChangelog:
+    """ChangelogSink as pipeline.faustlocal.LocalChangelog, with a broker that
+    acknowledges at once: records reach the store at close, with offsets."""
+
+    def __init__(self, local: LocalStates, journal: Journal) -> None:
+        self.local, self.journal = local, journal
+        self.pending: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+        self.offsets: dict[int, int] = defaultdict(int)
+        self.records = 0
+
+    def send(self, partition: int, key: str, value: bytes | None) -> None:
+        self.pending[partition].append((key.encode(), value))
+        self.records += 1
+
+    def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
+        store_state(_Writer(self, delivery.partition), key, state)  # type: ignore[arg-type]
+        self.journal.events.append(("store", key))
+
+    async def relieve(self) -> None:
+        await asyncio.sleep(0)
+
+    async def close(self, partitions: Mapping[int, Delivery]) -> None:
+        for partition in partitions:
+            self.send(partition, checkpoint_key(partition), orjson.dumps({"at_ms": 1}))
+        pending, self.pending = self.pending, defaultdict(list)
+        for partition, records in pending.items():
+            self.offsets[partition] += len(records)
+            self.local.records_applied(partition, records, self.offsets[partition] - 1)
+        self.journal.events.append(("close", sorted(partitions)))
+
+
+def store_runtime(
+    local: LocalStates, memory_bytes: int | None = None, clock: Clock | None = None
+) -> tuple[RegionRuntime, Journal, FakeCache, StoreChangelog, Clock]:
+    journal, clock = Journal(), clock or Clock()
+    cache, changelog = FakeCache(journal), StoreChangelog(local, journal)
+    runtime = RegionRuntime(
+        region="eu-west",
+        app_id="test-region-eu-west",
+        engine=FeatureEngine(SETTINGS.entities),
+        partition_of=lambda key: 0,
+        cache=cache,
+        changelog=changelog,
+        dead_letters=FakeDeadLetters(),
+        acker=FakeAcker(journal),
+        metrics=PipelineMetrics.create(CollectorRegistry()),
+        policy=BatchPolicy(max_changes=1000, within_s=0.02, catch_up=2.0),
+        checkpoint_interval_s=1.0,
+        clock=clock,
+        wall=lambda: (T0 + 1000) / 1000 + clock() - 1000.0,
+        store=local,
+        memory_bytes=memory_bytes,
+    )
+    runtime.retry_first_s = runtime.retry_max_s = 0.001
+    runtime.resumed([0])
+    return runtime, journal, cache, changelog, clock
+
+
+def engine_for(tmp_path: Path) -> LocalStates:
+    engine = FeatureEngine(SETTINGS.entities)
+    return LocalStates(tmp_path, lambda k, r: renewal_due(engine, k, r), VERSIONS, cache_mb=8)
+
+
+async def settle(runtime: RegionRuntime, clock: Clock) -> None:
+    clock.now += 0.05
+    await runtime.tick()  # the batch written
+    clock.now += 1.5
+    await runtime.tick()  # the checkpoint
+    if runtime._checkpoint_task is not None:
+        await asyncio.wait_for(runtime._checkpoint_task, 5)
+
+
+async def test_states_read_back_from_disk_give_the_same_vectors(tmp_path: Path) -> None:
+    """A worker whose memory holds almost nothing computes every vector as one that
+    holds everything: evicted states are read again from the store."""
+    local = engine_for(tmp_path)
+    small, _j, cache_small, _c, clock = store_runtime(local, memory_bytes=2 * ENTITY_BYTES)
+    views = [view(i, 1 + i % 20, 10 + i, at_ms=T0 - i * 1000) for i in range(200)]
+    for start in range(0, 200, 50):
+        await small.on_message(Delivery(0, start), pack(*views[start : start + 50]))
+        await settle(small, clock)
+    more = [view(300 + i, 1 + i % 20, 500 + i) for i in range(40)]
+    await small.on_message(Delivery(0, 300), pack(*more))
+    await settle(small, clock)
+    assert len(small.live) < 20 and small.live.loads > 0  # bounded, and read back
+
+    memory_local = LocalStates(tmp_path / "other", until_of, VERSIONS)
+    whole, _j2, cache_whole, _c2, clock2 = store_runtime(memory_local)
+    for start in range(0, 200, 50):
+        await whole.on_message(Delivery(0, start), pack(*views[start : start + 50]))
+        await settle(whole, clock2)
+    await whole.on_message(Delivery(0, 300), pack(*more))
+    await settle(whole, clock2)
+    assert cache_small.vectors == cache_whole.vectors
+    local.close()
+    memory_local.close()
+
+
+async def test_a_restarted_worker_reads_nothing_and_renews_from_the_index(tmp_path: Path) -> None:
+    """Resumed on its folder: no state is read until needed, nothing is rewritten
+    at once, and a vector whose schedule runs out is renewed from the index."""
+    local = engine_for(tmp_path)
+    runtime, _j, _cache, _c, clock = store_runtime(local)
+    views = [view(i, 7, 10 + i, at_ms=T0 - i * 60_000) for i in range(8)]
+    await runtime.on_message(Delivery(0, 1), pack(*views, view(9, 8, 30)))
+    await settle(runtime, clock)
+    until = runtime.live["user:7"]["until"]
+    assert isinstance(until, int)
+    await settle(runtime, clock)  # the bookkeeping's own checkpoint
+    local.close()
+
+    again = engine_for(tmp_path)
+    restarted, _j2, cache2, _c2, clock2 = store_runtime(again, clock=Clock())
+    clock2.now = clock.now
+    await restarted.tick()
+    assert cache2.writes == [] and len(restarted.live) == 0
+    clock2.now += (until - restarted._now_us()) / 1e6 + 0.001  # its schedule ran out
+    await restarted.tick()
+    assert ["user:7"] in [keys for keys, _ in cache2.writes]
+    again.close()
+
+
+async def test_a_state_ahead_of_the_cache_is_written_after_a_restart(tmp_path: Path) -> None:
+    local = engine_for(tmp_path)
+    runtime, _j, _cache, changelog, clock = store_runtime(local)
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    clock.now += 0.05
+    await runtime.tick()  # user 7 written
+    await runtime.on_message(Delivery(0, 2), pack(view(2, 7, 11)))  # applied, not written
+    changelog.store("user:7", runtime.live["user:7"], Delivery(0, 2))  # as a checkpoint may
+    await changelog.close({0: Delivery(0, 2)})
+    local.close()
+    again = engine_for(tmp_path)
+    restarted, _j2, cache2, _c2, clock2 = store_runtime(again)
+    clock2.now = clock.now
+    await restarted.tick()
+    assert cache2.vectors["user:7"]["views_30m"] == 2
+    again.close()
+
+
+async def test_a_full_disk_stops_consumption_and_acks_nothing_until_it_clears(
+    tmp_path: Path,
+) -> None:
+    local = engine_for(tmp_path)
+    runtime, journal, _cache, _c, clock = store_runtime(local)
+    failing = {"on": True}
+    real = local.records_applied
+
+    def refuse(*args: Any) -> None:
+        if failing["on"]:
+            raise StateStoreError("cannot write the local state store: No space left on device")
+        real(*args)
+
+    local.records_applied = refuse  # type: ignore[method-assign]
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10)))
+    await settle(runtime, clock)
+    assert runtime.store_error is not None and acked(journal) == []
+    blocked = asyncio.ensure_future(runtime.on_message(Delivery(0, 2), pack(view(2, 7, 11))))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # consumes nothing while the disk refuses
+    failing["on"] = False
+    await asyncio.wait_for(blocked, 5)
+    assert runtime.store_error is None and acked(journal) == [1]
+    await settle(runtime, clock)
+    assert acked(journal) == [1, 2]
+    local.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 4 MB filesystem of its own (tmpfs), to fill for real."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+async def test_a_really_full_disk_stops_the_worker_and_loses_nothing(small_disk: Path) -> None:
+    """RocksDB on a full filesystem: the checkpoint fails with a clear error, the
+    worker consumes nothing more, and once space is freed it goes on, every change
+    applied once (its vectors equal a worker's that never met a full disk)."""
+    import os
+
+    local = engine_for(small_disk / "state")
+    runtime, journal, cache, _c, clock = store_runtime(local)
+    filler = small_disk / "filler"
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    filler.write_bytes(b"\0" * max(0, free - 64 * 1024))  # leaves 64 KB
+    views = [view(i, 1 + i % 50, 10 + i, at_ms=T0 - i * 1000) for i in range(2_000)]
+    offset = 0
+    blocked = None
+    for start in range(0, len(views), 100):
+        offset += 1
+        task = asyncio.ensure_future(
+            runtime.on_message(Delivery(0, offset), pack(*views[start : start + 100]))
+        )
+        await asyncio.wait([task], timeout=0.5)
+        if not task.done():
+            blocked = task
+            break
+        await settle(runtime, clock)
+    assert blocked is not None, "the disk never filled"
+    assert runtime.store_error is not None
+    assert "No space left on device" in str(runtime.store_error)
+    assert "pipeline.state_dir" in str(runtime.store_error)
+    waiting = acked(journal)
+    await asyncio.sleep(0.3)
+    assert not blocked.done() and acked(journal) == waiting  # stopped, nothing acked
+    filler.unlink()
+    await asyncio.wait_for(blocked, 10)
+    for start in range(offset * 100, len(views), 100):
+        offset += 1
+        await runtime.on_message(Delivery(0, offset), pack(*views[start : start + 100]))
+    await settle(runtime, clock)
+    await settle(runtime, clock)
+    assert runtime.store_error is None
+    assert acked(journal) == list(range(1, offset + 1))
+
+    reference_local = LocalStates(small_disk.parent / "reference", until_of, VERSIONS)
+    reference, _j2, reference_cache, _c2, clock2 = store_runtime(reference_local)
+    for number, start in enumerate(range(0, len(views), 100), 1):
+        await reference.on_message(Delivery(0, number), pack(*views[start : start + 100]))
+        await settle(reference, clock2)
+    # The same states: the same vectors read at one time (each worker wrote its
+    # own as of its own clock).
+    assert set(cache.vectors) == set(reference_cache.vectors)
+    for key in cache.vectors:
+        engine = runtime.engine.engine(key.split(":", 1)[0])
+        state, expected = runtime.live.get(key), reference.live.get(key)
+        assert state is not None and expected is not None
+        assert engine.vector(state, T0) == engine.vector(expected, T0), key
+    local.close()
+    reference_local.close()
+
+
+# -- Faust's recovery into the store -------------------------------------------------------
+
+
+class _Message:
+    def __init__(self, partition: int, offset: int, key: bytes, value: bytes | None, epoch: int):
+        self.partition, self.offset, self.key, self.value = partition, offset, key, value
+        self.headers = [("edgefeed-epoch", str(epoch).encode())]
+
+
+class _Event:
+    def __init__(self, message: _Message, key: Any) -> None:
+        self.message, self.key, self.headers = message, key, message.headers
+
+
+def test_a_recovery_stores_the_keys_a_checkpoint_writes(tmp_path: Path) -> None:
+    """The changelog's keys are JSON on the wire (the table's key serializer): the
+    store keeps them as the worker reads them, and fences a late older owner."""
+    from pipeline.faustlocal import LocalTableStore
+
+    local = engine_for(tmp_path)
+    store = LocalTableStore.__new__(LocalTableStore)  # Faust's Service plumbing aside
+    store.local, store.read = local, defaultdict(int)
+    record = rec({"lsn": 5, "rev": 1, "ts": 0, "gone": None})
+    older = rec({"lsn": 1, "rev": 1, "ts": 0, "gone": None})
+    events = [
+        _Event(_Message(0, 0, b'"\\u001ffence\\u001f0"', rec({"epoch": 2}), 2), "\x1ffence\x1f0"),
+        _Event(_Message(0, 1, b'"user:7"', record, 2), "user:7"),
+        _Event(_Message(0, 2, b'"user:7"', older, 1), "user:7"),  # a late owner of epoch 1
+    ]
+    store.apply_changelog_batch(events, None, None)
+    loaded = local.load("user:7", 0)
+    assert loaded is not None and loaded["lsn"] == 5
+    assert local.partition(0).offset() == 2 and local.partition(0).top == 2
+    assert store.read[0] == 2
+    local.close()
