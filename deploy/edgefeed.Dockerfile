@@ -18,5 +18,8 @@ COPY examples examples
 RUN pip install --no-cache-dir ".[pipeline,preprocess,workers]"
 COPY deploy/edgefeed.compose.yaml /etc/edgefeed/edgefeed.yaml
 ENV EDGEFEED_SETTINGS=/etc/edgefeed/edgefeed.yaml
+# The regional workers' entity states (pipeline.state_dir): a volume there takes
+# this folder's owner, so that the non-root user can write it.
+RUN mkdir -p /var/lib/edgefeed/state && chown 65534:65534 /var/lib/edgefeed/state
 USER 65534
 ENTRYPOINT ["edgefeed"]

@@ -360,6 +360,27 @@ def test_no_feature_worker_beyond_its_topics_partitions(
             assert find(docs, "Namespace", k8s.region_namespace(region))
 
 
+def test_feature_workers_keep_their_states_on_a_writable_volume(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    """pipeline.state_dir is a mounted volume (the root filesystem is read-only),
+    and the memory limit leaves room beside the states' budget."""
+    state_dir = settings.pipeline.state_dir
+    assert state_dir is not None and state_dir.startswith("/")
+    for region in settings.region_names:
+        deployment = find(rendered[region], "Deployment", "feature-worker")
+        spec = deployment["spec"]["template"]["spec"]
+        (worker,) = spec["containers"]
+        mounts = {m["mountPath"]: m for m in worker["volumeMounts"]}
+        assert state_dir in mounts and not mounts[state_dir].get("readOnly", False)
+        volume = next(v for v in spec["volumes"] if v["name"] == mounts[state_dir]["name"])
+        assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+        limit = worker["resources"]["limits"]["memory"]
+        limit_mb = int(limit[:-2]) * (1024 if limit.endswith("Gi") else 1)
+        budget = settings.pipeline.state_memory_mb + settings.pipeline.state_cache_mb
+        assert limit_mb >= budget + 512, f"{region}: {limit} leaves no room beside {budget} MB"
+
+
 def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [*spec.get("initContainers", []), *spec["containers"]]
 

@@ -131,6 +131,8 @@ def test_settings_agree_with_the_services(
         assert worker["command"] == ["pipeline", "run", "--region", region.name]
         assert f"redis-{region.name}" in worker["depends_on"]
         assert worker["environment"]["EDGEFEED_SETTINGS"] == "/etc/edgefeed/edgefeed.yaml"
+        # its entity states on a volume of its own, where the settings put them
+        assert f"state-{region.name}:/var/lib/edgefeed/state" in worker["volumes"]
     assert services["router"]["command"] == ["pipeline", "run", "--role", "router"]
     gpu = services["model-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert "gpu" in gpu["capabilities"]
@@ -142,7 +144,13 @@ def test_compose_settings_run_the_shop_example_pipeline(settings: EdgefeedSettin
     example = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
     assert settings.sources == example.sources
     assert settings.entities == example.entities
-    assert settings.pipeline == example.pipeline
+    # The same pipeline, its state on the workers' volume with a budget under the
+    # containers' mem_limit (docker-compose.yml).
+    assert (
+        settings.pipeline.model_copy(update={"state_dir": "state", "state_memory_mb": 1024})
+        == example.pipeline
+    )
+    assert settings.pipeline.state_dir == "/var/lib/edgefeed/state"
     config = pipeline_config(settings, check_database=False)  # what router and workers build
     assert [r.name for r in config.regions] == ["eu-west", "us-east", "ap-southeast"]
 
