@@ -12,6 +12,7 @@ reaches into Faust's internals is in pipeline.faustcompat.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -45,7 +46,7 @@ from pipeline.faustcompat import (
     use_state_codec,
     wait_delivered,
 )
-from pipeline.faustlocal import LocalChangelog, LocalTableStore
+from pipeline.faustlocal import LocalChangelog, LocalTableStore, changelog_record_at
 from pipeline.features import EntityState, FeatureEngine
 from pipeline.gctune import GcTuner
 from pipeline.history import (
@@ -632,6 +633,20 @@ def _region_duties(
             readiness.observe(partition_marks(offsets, runtime.progress))
 
 
+def _check_lineage(config: PipelineConfig, topic: str, local: LocalStates) -> None:
+    """Before Faust reads the changelog from the folder's saved offsets: discard the
+    partitions whose changelog is no longer the one they reflect (pipeline.localstore,
+    ``check_lineage``). Run in a thread of its own: the caller may be inside a loop."""
+    bootstrap = config.kafka.bootstrap_servers
+    options = config.kafka.security.aiokafka_options()
+
+    async def fetch(partition: int, offset: int) -> tuple[bytes | None, bytes | None] | None:
+        return await changelog_record_at(bootstrap, topic, options, partition, offset)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, local.check_lineage(fetch)).result()
+
+
 def build_region_app(
     config: PipelineConfig,
     region_name: str,
@@ -676,6 +691,7 @@ def build_region_app(
             {e.name: e.version for e in config.entities},
             cache_mb=pipeline.state_cache_mb,
         )
+        _check_lineage(config, names.changelog_topic(region_name), local)
         state._data = LocalTableStore(app, state, local)  # type: ignore[attr-defined]
         changelog = LocalChangelog(app, state, local)
         log.info("region %s: entity states on local disk in %s", region_name, local.folder)

@@ -14,6 +14,7 @@ offset the broker gave them, and holds no per-key structure.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -26,11 +27,11 @@ from faust.stores.base import Store
 
 from pipeline.faustcompat import record_epoch, relieve_producer
 from pipeline.features import EntityState
-from pipeline.localstore import LocalStates
+from pipeline.localstore import LocalStates, record_mark
 from pipeline.runtime.ledger import Delivery
 from pipeline.statestore import EPOCH_HEADER, checkpoint_key, fence_key, store_state
 
-__all__ = ["LocalChangelog", "LocalTableStore"]
+__all__ = ["LocalChangelog", "LocalTableStore", "changelog_record_at"]
 
 log = logging.getLogger("edgefeed.pipeline")
 
@@ -70,10 +71,13 @@ class LocalTableStore(Store[Any, Any]):
     def apply_changelog_batch(self, batch: Iterable[Any], to_key: Any, to_value: Any) -> None:
         by_partition: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
         offsets: dict[int, int] = {}
+        marks: dict[int, bytes] = {}
         for event in batch:
             message = event.message
             partition = message.partition
-            offsets[partition] = max(offsets.get(partition, -1), message.offset)
+            if message.offset > offsets.get(partition, -1):
+                offsets[partition] = message.offset
+                marks[partition] = record_mark(message.key, message.value)
             store = self.local.partition(partition)
             if store.admit(record_epoch(event)):
                 # The key as the worker writes it (the table's key serializer is
@@ -81,7 +85,7 @@ class LocalTableStore(Store[Any, Any]):
                 by_partition[partition].append((_key(event), message.value))
         for partition, offset in offsets.items():
             records = by_partition.get(partition, [])
-            self.local.records_applied(partition, records, offset)
+            self.local.records_applied(partition, records, offset, marks[partition])
             self.read[partition] += len(records)
 
     def reset_state(self) -> None:
@@ -218,9 +222,61 @@ class LocalChangelog:
         await self.app.producer.flush()
         records: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
         offsets: dict[int, int] = {}
+        marks: dict[int, bytes] = {}
         for partition, key, value, future in sent:
             metadata = await future
             records[partition].append((key, value))
-            offsets[partition] = max(offsets.get(partition, -1), int(metadata.offset))
+            if int(metadata.offset) > offsets.get(partition, -1):
+                offsets[partition] = int(metadata.offset)
+                marks[partition] = record_mark(self._wire_key(key), value)
         for partition, found in records.items():
-            self.local.records_applied(partition, found, offsets[partition])
+            self.local.records_applied(partition, found, offsets[partition], marks[partition])
+
+    def _wire_key(self, key: bytes) -> bytes:
+        """The key as the changelog holds it (the table's key serializer: JSON)."""
+        from faust.serializers import codecs
+
+        return bytes(codecs.dumps(self.table.key_serializer or "raw", key.decode()))
+
+
+async def changelog_record_at(
+    bootstrap: Sequence[str], topic: str, options: Mapping[str, Any], partition: int, offset: int
+) -> tuple[bytes | None, bytes | None] | None:
+    """The changelog record at ``offset`` of ``partition`` as (raw key, raw value); None
+    when the partition has no record there (it ends before it, or begins after)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.errors import OffsetOutOfRangeError
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=list(bootstrap),
+        client_id="edgefeed-state-check",
+        enable_auto_commit=False,
+        auto_offset_reset="none",
+        **dict(options),
+    )
+    await asyncio.wait_for(consumer.start(), 30)
+    try:
+        tp = TopicPartition(topic, partition)
+        if topic not in await consumer.topics():
+            return None
+        consumer.assign([tp])
+        start = (await consumer.beginning_offsets([tp]))[tp]
+        end = (await consumer.end_offsets([tp]))[tp]
+        # Tansu reports the end as the start of the last batch: a record at the end
+        # offset itself may exist, so it is fetched, not ruled out.
+        if offset < start or offset > end:
+            return None
+        consumer.seek(tp, offset)
+        for _ in range(3):
+            try:
+                batch = await consumer.getmany(tp, timeout_ms=1000, max_records=50)
+            except OffsetOutOfRangeError:
+                return None
+            for message in batch.get(tp, []):
+                if message.offset == offset:
+                    return message.key, message.value
+                if message.offset > offset:
+                    return None
+        return None
+    finally:
+        await consumer.stop()

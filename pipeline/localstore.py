@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
+import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ log = logging.getLogger("edgefeed.pipeline")
 META_OFFSET = b"\x00offset"
 META_EPOCH = b"\x00epoch"
 META_VERSIONS = b"\x00versions"
+META_LAST = b"\x00last"  # what the record at the saved offset is (see record_mark)
 RENEW = b"\x1e"
 _SEP = ROW_SEP.encode()
 _NOT_ENTITY = (0x00, 0x1E, 0x1F)  # first bytes of keys that are not an entity's
@@ -71,6 +74,18 @@ _UNTIL = struct.Struct(">Q")
 # Entity key, its record -> when its vector must be written again (microseconds
 # since the epoch; 0: at once), None: never (no schedule runs out).
 RenewalOf = Callable[[str, Mapping[str, Any]], int | None]
+# Partition, offset -> the changelog record there as (key, value), None: none there.
+LastRecordFetch = Callable[[int, int], Awaitable[tuple[bytes | None, bytes | None] | None]]
+
+
+def record_mark(key: bytes | None, value: bytes | None) -> bytes:
+    """What identifies a changelog record: a digest of its key and value. The store
+    keeps the mark of the record at its saved offset, so that a changelog that is
+    no longer the one it reflects (a broker that lost its topics) is recognised."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(key or b"")
+    digest.update(b"\x00" if value is None else b"\x01" + value)
+    return digest.digest()
 
 
 def renewal_key(until: int, key: str) -> bytes:
@@ -186,9 +201,15 @@ class PartitionStore:
         self.top += 1
         return self.top
 
-    def apply(self, records: Iterable[tuple[bytes, bytes | None]], offset: int | None) -> int:
+    def apply(
+        self,
+        records: Iterable[tuple[bytes, bytes | None]],
+        offset: int | None,
+        last: bytes | None = None,
+    ) -> int:
         """Write changelog records (already admitted) and the offset they reach, in
         one write batch, keeping the renewal index; returns the records written.
+        ``last``: the :func:`record_mark` of the record at ``offset``.
 
         Raises:
             StateStoreError: the database refused the write (a full disk).
@@ -218,6 +239,8 @@ class PartitionStore:
                 batch.put(key, value)
         if offset is not None:
             batch.put(META_OFFSET, str(offset).encode())
+            if last is not None:
+                batch.put(META_LAST, last)
         batch.put(META_EPOCH, str(self.top).encode())
         self._write(batch)
         return count
@@ -310,6 +333,11 @@ class PartitionStore:
         batch.put(META_VERSIONS, orjson.dumps(dict(versions), option=orjson.OPT_SORT_KEYS))
         self._write(batch)
         return count
+
+    def last_mark(self) -> bytes | None:
+        """The mark of the record at the saved offset (None: not kept)."""
+        value = self.db.get(META_LAST)
+        return bytes(value) if value is not None else None
 
     def versions(self) -> dict[str, int] | None:
         raw = self.db.get(META_VERSIONS)
@@ -408,9 +436,59 @@ class LocalStates:
             store.check()
 
     def records_applied(
-        self, partition: int, records: Sequence[tuple[bytes, bytes | None]], offset: int | None
+        self,
+        partition: int,
+        records: Sequence[tuple[bytes, bytes | None]],
+        offset: int | None,
+        last: bytes | None = None,
     ) -> None:
-        self.partition(partition).apply(records, offset)
+        self.partition(partition).apply(records, offset, last)
+
+    def present(self) -> list[int]:
+        """The partitions this folder holds a database of."""
+        found = []
+        for path in self.folder.glob("p*"):
+            if path.is_dir() and path.name[1:].isdigit():
+                found.append(int(path.name[1:]))
+        return sorted(found)
+
+    def discard(self, partition: int, why: str) -> None:
+        """Delete a partition's database: the changelog is read whole into a new one."""
+        store = self.stores.pop(partition, None)
+        if store is not None:
+            store.close()
+        path = self.folder / f"p{partition}"
+        log.warning(
+            "state partition %d: local state in %s discarded (%s); it is rebuilt from "
+            "the changelog",
+            partition,
+            path,
+            why,
+        )
+        shutil.rmtree(path, ignore_errors=True)
+
+    async def check_lineage(self, fetch: LastRecordFetch) -> list[int]:
+        """Discard the databases whose changelog partition no longer holds, at their
+        saved offset, the record they reflect (the broker lost its topics, or the
+        topic was deleted and made again): their offsets would skip the new
+        changelog's records. ``fetch(partition, offset)`` reads the changelog's
+        record there (None: none). Returns the partitions discarded."""
+        discarded = []
+        for partition in self.present():
+            store = self.partition(partition)
+            offset, mark = store.offset(), store.last_mark()
+            if offset is None:
+                continue
+            found = await fetch(partition, offset)
+            if found is None:
+                why = f"the changelog ends before offset {offset}: the broker lost it?"
+            elif mark is not None and record_mark(*found) != mark:
+                why = f"the changelog's record at offset {offset} is another one"
+            else:
+                continue
+            self.discard(partition, why)
+            discarded.append(partition)
+        return discarded
 
     def close(self) -> None:
         for store in self.stores.values():

@@ -528,3 +528,45 @@ def test_a_recovery_stores_the_keys_a_checkpoint_writes(tmp_path: Path) -> None:
     assert local.partition(0).offset() == 2 and local.partition(0).top == 2
     assert store.read[0] == 2
     local.close()
+
+
+async def test_a_changelog_that_is_no_longer_the_one_a_folder_reflects_discards_it(
+    tmp_path: Path,
+) -> None:
+    """A broker that lost its topics: the saved offset would skip the new changelog's
+    records (or lie beyond its end, which Faust refuses): the partition's database is
+    discarded and read whole from the changelog instead."""
+    from pipeline.localstore import record_mark
+
+    local = engine_for(tmp_path)
+    kept, gone, other = (b'"user:1"', rec({"rev": 1})), (b'"user:2"', rec({})), (b'"x"', b"{}")
+    for partition, (key, value) in enumerate([kept, gone, other]):
+        local.records_applied(partition, [(key[1:-1], value)], 10, record_mark(key, value))
+    changelog = {0: kept, 2: (b'"user:9"', rec({"rev": 7}))}  # partition 1: ends before 10
+
+    async def fetch(partition: int, offset: int) -> tuple[bytes | None, bytes | None] | None:
+        assert offset == 10
+        return changelog.get(partition)
+
+    assert await local.check_lineage(fetch) == [1, 2]
+    assert local.partition(0).offset() == 10 and local.partition(0).load("user:1") is not None
+    assert local.partition(1).offset() is None and local.partition(1).load("user:2") is None
+    assert local.partition(2).offset() is None
+    local.close()
+
+
+def test_the_mark_of_a_checkpoint_record_is_the_mark_of_the_record_on_the_wire() -> None:
+    """A checkpoint marks its last record as the broker holds it: the table's key
+    serializer (JSON) applied, so that the lineage check finds it equal."""
+    from pipeline.faustlocal import LocalChangelog
+    from pipeline.localstore import record_mark
+
+    class Table:
+        key_serializer = "json"
+
+    sink = LocalChangelog.__new__(LocalChangelog)
+    sink.table = Table()
+    key = "user:7\x1fpublic.events\x1f3"
+    wire = sink._wire_key(key.encode())
+    assert orjson.loads(wire) == key
+    assert record_mark(wire, b"{}") != record_mark(key.encode(), b"{}")
