@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from monitoring.deadletters import ReasonTally
 from monitoring.exceptions import SourceUnavailableError
 
 __all__ = ["GroupOffsets", "KafkaSnapshot", "read_kafka"]
@@ -69,12 +70,14 @@ async def read_kafka(
     fetch_deadline_s: float = 3.0,
     client_options: Mapping[str, Any] | None = None,
     read_records_of: Callable[[str], bool] | None = None,
+    reasons: ReasonTally | None = None,
 ) -> KafkaSnapshot:
     """Read offsets and next-record timestamps of the groups ``select_group`` accepts.
 
     ``read_records_of`` limits the groups whose next records are fetched (for their
     timestamps; None: every selected group): the others get offsets only, and no
-    record of their topics is read.
+    record of their topics is read. ``reasons``, when given, reads the dead letters
+    written since its last round and counts them by reason.
 
     Raises:
         SourceUnavailableError: the cluster could not be reached or refused a request.
@@ -104,9 +107,13 @@ async def read_kafka(
     try:
         await admin.start()
         await consumer.start()
-        return await _read(
+        snapshot = await _read(
             admin, consumer, select_group, read_records_of or select_group, fetch_deadline_s
         )
+        if reasons is not None:
+            wanted = reasons.to_read(snapshot.oldest, snapshot.end)
+            await reasons.read(consumer, wanted, fetch_deadline_s)
+        return snapshot
     except KafkaError as exc:
         raise SourceUnavailableError(
             "kafka",

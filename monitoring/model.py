@@ -109,6 +109,8 @@ class KafkaReport:
     error: str | None = None
     # Per dead-letter topic (the central one and each region's): messages ever written.
     deadletters_by_topic: tuple[tuple[str, int], ...] = ()
+    # (topic, reason, count) of the dead letters read so far (monitoring.deadletters).
+    deadletters_by_reason: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

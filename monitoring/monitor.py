@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from connectors.client import ConnectorStatus
 from monitoring.cdc import SlotRow, read_connectors, read_slots
+from monitoring.deadletters import ReasonTally
 from monitoring.exceptions import MonitoringConfigError, SourceUnavailableError
 from monitoring.freshness import RegionTimes, read_region
 from monitoring.kafka import KafkaSnapshot, read_kafka
@@ -244,6 +245,7 @@ class Monitor:
         self._topic_history: dict[Any, Series] = {}
         self._group_history: dict[Any, Series] = {}
         self._deadletters = Series(config.window, config.min_interval_s)
+        self._reasons = ReasonTally(config.deadletter_topics)
 
     async def collect(self) -> Report:
         """One round: everything the scope covers read concurrently, then judged."""
@@ -256,6 +258,7 @@ class Monitor:
             client_id=config.client_id,
             request_timeout_ms=int(config.timeout_s * 1000),
             client_options=config.kafka_options,
+            reasons=self._reasons,
         )
         region_tasks = [
             read_region(
@@ -456,6 +459,7 @@ class Monitor:
             deadletters=deadletters,
             deadletters_new=new,
             deadletters_by_topic=by_topic,
+            deadletters_by_reason=self._reasons.counts(),
         )
 
     def _rate(self, store: dict[Any, Series], key: Any, at: float, total: int) -> float | None:
