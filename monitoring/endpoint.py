@@ -8,6 +8,12 @@ standard library's threading WSGI server serves prometheus_client's WSGI app
 behind a token check; the handshake runs in the connection's own thread (which
 times out), never in the accept loop.
 
+The exporter also serves its status page (``/status``, ``/status.json``:
+monitoring.page) behind the same token. A browser cannot add an ``Authorization:
+Bearer`` header to a navigation, so those two paths also take HTTP Basic
+credentials with the token as the password (any user name): the browser asks
+once and sends them with every reload. ``/metrics`` takes only the bearer token.
+
 Probe paths (``/healthz``, ``/readyz`` for the kubelet) answer without the token,
 by design: a kubelet ``httpGet`` probe can send a header only by writing its value
 into the pod manifest, which would put the secret where anyone who can read the
@@ -17,6 +23,8 @@ short reason; the metrics stay behind the token.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import ipaddress
 import logging
@@ -36,6 +44,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from edgefeed_base.tokens import token_problem
 from monitoring.exceptions import MonitoringConfigError
+from monitoring.page import CONTENT_SECURITY_POLICY, StatusBoard
 
 __all__ = ["EndpointSecurity", "Probe", "is_loopback", "start_endpoint"]
 
@@ -154,28 +163,97 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _require_token(app: _WsgiApp, token: str) -> _WsgiApp:
+#: The paths of the status page (monitoring.page), which also take HTTP Basic auth.
+STATUS_PATHS = ("/status", "/status.json")
+
+
+def _presented_token(authorization: str, *, basic: bool) -> bytes | None:
+    """The token an ``Authorization`` header carries: a bearer token, or (``basic``)
+    the password of Basic credentials; None when it carries neither."""
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip().encode("latin-1", "replace")
+    if basic and scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        _user, colon, password = decoded.partition(b":")
+        return password if colon else None
+    return None
+
+
+def _require_token(app: _WsgiApp, token: str, *, basic: bool = False) -> _WsgiApp:
     expected = token.encode("ascii")
 
     def guarded(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
-        scheme, _, presented = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        presented = _presented_token(environ.get("HTTP_AUTHORIZATION", ""), basic=basic)
         # compare_digest: the time taken does not depend on how much of the token matched.
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-            presented.strip().encode("latin-1", "replace"), expected
-        ):
+        if presented is not None and hmac.compare_digest(presented, expected):
             return app(environ, start_response)
-        body = b"401 Unauthorized: send Authorization: Bearer <token>\n"
+        if basic:
+            body = (
+                b"401 Unauthorized: give the exporter's token as the password "
+                b"(any user name), or send Authorization: Bearer <token>\n"
+            )
+            challenge = 'Basic realm="edgefeed status", charset="UTF-8"'
+        else:
+            body = b"401 Unauthorized: send Authorization: Bearer <token>\n"
+            challenge = 'Bearer realm="edgefeed-exporter"'
         start_response(
             "401 Unauthorized",
             [
                 ("Content-Type", "text/plain; charset=utf-8"),
                 ("Content-Length", str(len(body))),
-                ("WWW-Authenticate", 'Bearer realm="edgefeed-exporter"'),
+                ("WWW-Authenticate", challenge),
+                ("Cache-Control", "no-store"),
+                ("X-Content-Type-Options", "nosniff"),
             ],
         )
         return [body]
 
     return guarded
+
+
+def _status_app(board: StatusBoard) -> _WsgiApp:
+    """``/status`` (HTML) and ``/status.json`` from the board's latest report."""
+
+    def app(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            body = b"405 Method Not Allowed\n"
+            start_response(
+                "405 Method Not Allowed",
+                [("Content-Type", "text/plain; charset=utf-8"), ("Allow", "GET, HEAD")],
+            )
+            return [body]
+        if environ.get("PATH_INFO") == "/status.json":
+            body, kind = board.json().encode(), "application/json"
+        else:
+            body, kind = board.html().encode(), "text/html; charset=utf-8"
+        start_response(
+            "200 OK",
+            [
+                ("Content-Type", kind),
+                ("Content-Length", str(len(body))),
+                ("Content-Security-Policy", CONTENT_SECURITY_POLICY),
+                ("X-Content-Type-Options", "nosniff"),
+                ("Cache-Control", "no-store"),
+                ("Referrer-Policy", "no-referrer"),
+                ("X-Frame-Options", "DENY"),
+            ],
+        )
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+
+    return app
+
+
+def _with_status(app: _WsgiApp, status: _WsgiApp) -> _WsgiApp:
+    def routed(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") in STATUS_PATHS:
+            return status(environ, start_response)
+        return app(environ, start_response)
+
+    return routed
 
 
 class _Handler(WSGIRequestHandler):
@@ -242,6 +320,7 @@ def start_endpoint(
     security: EndpointSecurity,
     probes: Mapping[str, Probe] | None = None,
     flag_prefix: str = "--",
+    status: StatusBoard | None = None,
 ) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``registry`` on ``/metrics`` (and ``/``) from a daemon thread.
 
@@ -256,6 +335,8 @@ def start_endpoint(
             when the endpoint speaks TLS.
         flag_prefix: How the command names ``host`` and ``port``, for the messages
             (``--`` or ``--metrics-``).
+        status: Serve this board's status page on ``/status`` and ``/status.json``,
+            behind the same token (bearer, or Basic with the token as the password).
 
     Raises:
         MonitoringConfigError: the address cannot be bound, or the TLS files are bad.
@@ -264,6 +345,11 @@ def start_endpoint(
     app: _WsgiApp = make_wsgi_app(registry)
     if security.token is not None:
         app = _require_token(app, security.token)
+    if status is not None:
+        page = _status_app(status)
+        if security.token is not None:
+            page = _require_token(page, security.token, basic=True)
+        app = _with_status(app, page)
     if probes:
         app = _with_probes(app, dict(probes))
     try:

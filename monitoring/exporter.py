@@ -26,6 +26,7 @@ from monitoring.endpoint import EndpointSecurity, is_loopback, start_endpoint
 from monitoring.exceptions import MonitoringConfigError
 from monitoring.model import Report
 from monitoring.monitor import Monitor
+from monitoring.page import FreshnessHistory, StatusBoard
 from monitoring.scope import ALL, Scope
 from monitoring.status import STATUS_CODES
 
@@ -465,7 +466,9 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[int], None] | None = None,
 ) -> None:
-    """Serve ``/metrics`` and refresh the report every ``interval_s`` until ``stop`` is set.
+    """Serve ``/metrics`` and the status page (``/status``, ``/status.json``: the same
+    report, behind the same token) and refresh the report every ``interval_s`` until
+    ``stop`` is set.
 
     Args:
         host: Address to listen on; loopback by default (the metrics name
@@ -496,10 +499,15 @@ async def serve(
     collector = ReportCollector(
         config.freshness_budget_s, config.slot_wal_bound_bytes, config.scope
     )
+    board = StatusBoard(
+        budget_s=config.freshness_budget_s, refresh_s=interval_s, history=FreshnessHistory()
+    )
     started = time.monotonic()
-    collector.update(await monitor.collect(), time.monotonic() - started)
+    first = await monitor.collect()
+    collector.update(first, time.monotonic() - started)
+    board.update(first)
     server, thread = start_endpoint(
-        make_registry(collector), host=host, port=port, security=security
+        make_registry(collector), host=host, port=port, security=security, status=board
     )
     if on_ready is not None:
         on_ready(int(server.server_address[1]))
@@ -518,6 +526,7 @@ async def serve(
                 log.exception("collection failed")
                 continue
             collector.update(report, time.monotonic() - started)
+            board.update(report)
     finally:
         server.shutdown()
         server.server_close()

@@ -497,7 +497,10 @@ def register(app: typer.Typer) -> None:
             scheme = "https" if security.tls else "http"
             auth = " (bearer token required)" if security.token is not None else ""
             console.print(
-                f"serving metrics on {scheme}://{host}:{bound}/metrics{auth}", highlight=False
+                f"serving metrics on {scheme}://{host}:{bound}/metrics{auth}, "
+                f"the status page on {scheme}://{host}:{bound}/status",
+                highlight=False,
+                soft_wrap=True,
             )
 
         async def main() -> None:
