@@ -19,6 +19,9 @@ command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 [ -f /usr/share/java/jetty9-server.jar ] || need_apt+=(libjetty9-java)
 # promtool (Debian ships it in prometheus) checks and unit-tests the alert rules.
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# Headless Chromium renders the exporter's status page in its test (and makes the
+# screenshots in docs/operations.md); without recommends it brings no font, hence DejaVu.
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium fonts-dejavu-core)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: installing system packages: ${need_apt[*]}"
   SUDO=""
