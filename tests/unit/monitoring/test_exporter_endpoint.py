@@ -177,6 +177,28 @@ def test_a_token_is_required_when_configured_and_never_echoed(
         assert status == 200 and "edgefeed_up" in body
 
 
+def test_the_status_page_takes_the_token_as_the_basic_password(
+    settings: Path, tmp_path: Path
+) -> None:
+    import base64
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    with exporter(settings, "--token-file", str(token_file)) as (port, line):
+        assert f"the status page on http://127.0.0.1:{port}/status" in line
+        url = f"http://127.0.0.1:{port}/status"
+        status, body, headers = _get(url)
+        assert status == 401 and headers["WWW-Authenticate"].startswith("Basic")
+        assert TOKEN not in body
+        credentials = base64.b64encode(f"ops:{TOKEN}".encode()).decode()
+        request = urllib.request.Request(url, headers={"Authorization": f"Basic {credentials}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            page = response.read().decode()
+            assert response.headers["Content-Security-Policy"].startswith("default-src 'none'")
+        # Every source is down in these settings: the region is unknown, never healthy.
+        assert "eu-west" in page and "DOWN: unknown" in page and TOKEN not in page
+
+
 def test_the_token_can_come_from_a_named_environment_variable(settings: Path) -> None:
     env = {"SCRAPE_TOKEN": TOKEN}
     with exporter(settings, "--token-env", "SCRAPE_TOKEN", env=env) as (port, _):
