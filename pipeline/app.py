@@ -693,7 +693,13 @@ def build_region_app(
         )
         _check_lineage(config, names.changelog_topic(region_name), local)
         state._data = LocalTableStore(app, state, local)  # type: ignore[attr-defined]
-        changelog = LocalChangelog(app, state, local)
+        changelog = LocalChangelog(
+            app,
+            state,
+            local,
+            config.kafka.bootstrap_servers,
+            config.kafka.security.aiokafka_options(),
+        )
         log.info("region %s: entity states on local disk in %s", region_name, local.folder)
     else:
         changelog = _FaustChangelog(app, state)

@@ -25,6 +25,7 @@ import faust
 import orjson
 from faust.stores.base import Store
 
+from pipeline.exceptions import StateStoreError
 from pipeline.faustcompat import record_epoch, relieve_producer
 from pipeline.features import EntityState
 from pipeline.localstore import LocalStates, record_mark
@@ -173,8 +174,17 @@ class LocalChangelog:
     """ChangelogSink with a local store: records to the changelog, then, once the
     broker has them, to the partition's database with the offset of the last."""
 
-    def __init__(self, app: faust.App, table: Any, local: LocalStates) -> None:
+    def __init__(
+        self,
+        app: faust.App,
+        table: Any,
+        local: LocalStates,
+        bootstrap: Sequence[str] = (),
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.app, self.table, self.local = app, table, local
+        # To read the changelog back (see _deliver): the brokers, aiokafka's options.
+        self.bootstrap, self.options = list(bootstrap), dict(options or {})
         self.epochs: dict[int, int] = {}  # partition -> the epoch this worker owns it in
         self._sent: list[tuple[int, bytes, bytes | None, Any]] = []
 
@@ -215,22 +225,70 @@ class LocalChangelog:
 
     async def _deliver(self) -> None:
         """Wait until the broker has every record sent, then write them to the local
-        store, per partition in one batch with the offset of the last."""
+        store, per partition in one batch with the offset of the last.
+
+        The database must hold the changelog applied in order through the owner
+        fence. When this worker's records directly follow its saved offset, they
+        are that. When not, another writer's records lie between (a newer owner,
+        after this worker stalled past its session: its late checkpoint lands
+        after the new owner's records), so the range is read back from the
+        changelog and applied through the fence: the newer owner's epoch wins and
+        this worker's late records are ignored, as any recovery ignores them.
+        """
         sent, self._sent = self._sent, []
         if not sent:
             return
         await self.app.producer.flush()
         records: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
-        offsets: dict[int, int] = {}
+        offsets: dict[int, list[int]] = defaultdict(list)
         marks: dict[int, bytes] = {}
         for partition, key, value, future in sent:
             metadata = await future
             records[partition].append((key, value))
-            if int(metadata.offset) > offsets.get(partition, -1):
-                offsets[partition] = int(metadata.offset)
+            offset = int(metadata.offset)
+            if not offsets[partition] or offset > max(offsets[partition]):
                 marks[partition] = record_mark(self._wire_key(key), value)
+            offsets[partition].append(offset)
         for partition, found in records.items():
-            self.local.records_applied(partition, found, offsets[partition], marks[partition])
+            saved = self.local.partition(partition).offset()
+            written = sorted(offsets[partition])
+            first = (saved if saved is not None else -1) + 1
+            if written == list(range(first, first + len(written))):
+                self.local.records_applied(partition, found, written[-1], marks[partition])
+            else:
+                await self._catch_up(partition, first, written[-1])
+
+    async def _catch_up(self, partition: int, first: int, last: int) -> None:
+        """Apply the changelog's records ``first``..``last`` of ``partition`` as read
+        back from it, through the fence (see :meth:`_deliver`)."""
+        store = self.local.partition(partition)
+        read = await self.read_range(partition, first, last)
+        mine = self.epochs.get(partition)
+        foreign = [e for _o, _k, _v, e in read if e is not None and mine is not None and e > mine]
+        admitted = [(k, v) for _o, k, v, e in read if store.admit(e)]
+        if read:
+            offset, key, value, _epoch = read[-1]
+            self.local.records_applied(
+                partition, admitted, offset, record_mark(self._wire_key(key), value)
+            )
+        log.warning(
+            "state partition %d: other records than this worker's in the changelog at "
+            "%d..%d%s; applied in order through the owner fence",
+            partition,
+            first,
+            last,
+            f" (a newer owner, epoch {max(foreign)}: this worker's late records ignored)"
+            if foreign
+            else "",
+        )
+
+    async def read_range(
+        self, partition: int, first: int, last: int
+    ) -> list[tuple[int, bytes, bytes | None, int | None]]:
+        """The changelog's records ``first``..``last`` as (offset, key as the worker
+        writes it, value, owner epoch)."""
+        topic = self.table.changelog_topic.get_topic_name()
+        return await changelog_range(self.bootstrap, topic, self.options, partition, first, last)
 
     def _wire_key(self, key: bytes) -> bytes:
         """The key as the changelog holds it (the table's key serializer: JSON)."""
@@ -280,3 +338,67 @@ async def changelog_record_at(
         return None
     finally:
         await consumer.stop()
+
+
+async def changelog_range(
+    bootstrap: Sequence[str],
+    topic: str,
+    options: Mapping[str, Any],
+    partition: int,
+    first: int,
+    last: int,
+) -> list[tuple[int, bytes, bytes | None, int | None]]:
+    """The records ``first``..``last`` of a changelog partition as (offset, key as the
+    worker writes it, raw value, owner epoch), in order (from the partition's start
+    when ``first`` is before it)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=list(bootstrap),
+        client_id="edgefeed-state-catch-up",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **dict(options),
+    )
+    await asyncio.wait_for(consumer.start(), 30)
+    found: list[tuple[int, bytes, bytes | None, int | None]] = []
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        start = (await consumer.beginning_offsets([tp]))[tp]
+        consumer.seek(tp, max(first, start))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=500, max_records=1000)
+            for message in batch.get(tp, []):
+                if message.offset > last:
+                    return found
+                if message.offset >= first:
+                    found.append(
+                        (message.offset, _wire_to_key(message.key), message.value, _epoch(message))
+                    )
+                if message.offset == last:
+                    return found
+        raise StateStoreError(
+            f"could not read back {topic}[{partition}] {first}..{last} within 60 s"
+        )
+    finally:
+        await consumer.stop()
+
+
+def _wire_to_key(raw: bytes | None) -> bytes:
+    if raw is not None and raw.startswith(b'"'):
+        decoded = orjson.loads(raw)
+        if isinstance(decoded, str):
+            return decoded.encode()
+    return raw or b""
+
+
+def _epoch(message: Any) -> int | None:
+    for name, value in message.headers or ():
+        if name == EPOCH_HEADER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None

@@ -570,3 +570,89 @@ def test_the_mark_of_a_checkpoint_record_is_the_mark_of_the_record_on_the_wire()
     wire = sink._wire_key(key.encode())
     assert orjson.loads(wire) == key
     assert record_mark(wire, b"{}") != record_mark(key.encode(), b"{}")
+
+
+class _Producer:
+    async def flush(self) -> None:
+        return None
+
+
+class _App:
+    producer = _Producer()
+
+
+class _Metadata:
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+
+def _acked(offset: int) -> asyncio.Future[_Metadata]:
+    future: asyncio.Future[_Metadata] = asyncio.get_running_loop().create_future()
+    future.set_result(_Metadata(offset))
+    return future
+
+
+def _sink(local: LocalStates, log: list[tuple[int, bytes, bytes | None, int | None]]) -> Any:
+    from pipeline.faustlocal import LocalChangelog
+
+    class Table:
+        key_serializer = "json"
+
+    sink = LocalChangelog(_App(), Table(), local)  # type: ignore[arg-type]
+
+    async def read_range(partition: int, first: int, last: int) -> Any:
+        return [r for r in log if first <= r[0] <= last]
+
+    sink.read_range = read_range  # type: ignore[method-assign]
+    return sink
+
+
+async def test_a_late_checkpoint_of_a_fenced_owner_does_not_enter_its_store(
+    tmp_path: Path,
+) -> None:
+    """Paused past its session, a worker's late checkpoint lands after a newer
+    owner's records: its database must not skip those (its saved offset would
+    pass them) nor take its own late records over them (the fence)."""
+    local = engine_for(tmp_path)
+    store = local.partition(0)
+    store.admit(3)
+    local.records_applied(0, [(b"user:7", rec({"lsn": 1, "rev": 1}))], 10)
+    newer = rec({"lsn": 9, "rev": 5})
+    late = rec({"lsn": 2, "rev": 2})
+    changelog = [
+        (11, b"\x1ffence\x1f0", rec({"epoch": 4}), 4),  # the new owner's
+        (12, b"user:7", newer, 4),
+        (13, b"user:8", rec({"lsn": 3, "rev": 1}), 4),
+        (14, b"user:7", late, 3),  # this worker's late checkpoint
+    ]
+    sink = _sink(local, changelog)
+    sink.epochs[0] = 3
+    sink._sent = [(0, b"user:7", late, _acked(14))]
+    await sink._deliver()
+    assert store.offset() == 14 and store.top == 4
+    loaded = store.load("user:7")
+    assert loaded is not None and loaded["lsn"] == 9  # the newer owner's state
+    assert store.load("user:8") is not None
+    local.close()
+
+
+async def test_records_right_after_the_saved_offset_are_applied_without_reading_back(
+    tmp_path: Path,
+) -> None:
+    local = engine_for(tmp_path)
+    local.records_applied(0, [(b"user:7", rec({"lsn": 1}))], 10)
+    sink = _sink(local, [])
+
+    async def never(*args: Any) -> Any:
+        raise AssertionError("read back although nobody else wrote")
+
+    sink.read_range = never
+    sink._sent = [
+        (0, b"user:7", rec({"lsn": 2}), _acked(11)),
+        (0, b"user:8", rec({"lsn": 3}), _acked(12)),
+    ]
+    await sink._deliver()
+    assert local.partition(0).offset() == 12
+    loaded = local.partition(0).load("user:7")
+    assert loaded is not None and loaded["lsn"] == 2
+    local.close()
