@@ -647,6 +647,36 @@ def _check_lineage(config: PipelineConfig, topic: str, local: LocalStates) -> No
         pool.submit(asyncio.run, local.check_lineage(fetch)).result()
 
 
+def _state_sinks(
+    app: faust.App, config: PipelineConfig, region_name: str, engine: FeatureEngine, state: Any
+) -> tuple[LocalStates | None, _FaustChangelog | LocalChangelog]:
+    """The state table's storage: on local disk with ``pipeline.state_dir``
+    (pipeline.localstore, behind the same table), else Faust's memory store."""
+    pipeline = config.pipeline
+    names = config.names
+    app_id = names.region_group(region_name)
+    if pipeline.state_dir is None:
+        return None, _FaustChangelog(app, state)
+    # The states on local disk (pipeline.localstore), behind the same table.
+    local = LocalStates(
+        Path(pipeline.state_dir) / app_id,
+        lambda key, record: renewal_due(engine, key, record),
+        {e.name: e.version for e in config.entities},
+        cache_mb=pipeline.state_cache_mb,
+    )
+    _check_lineage(config, names.changelog_topic(region_name), local)
+    state._data = LocalTableStore(app, state, local)
+    changelog = LocalChangelog(
+        app,
+        state,
+        local,
+        config.kafka.bootstrap_servers,
+        config.kafka.security.aiokafka_options(),
+    )
+    log.info("region %s: entity states on local disk in %s", region_name, local.folder)
+    return local, changelog
+
+
 def build_region_app(
     config: PipelineConfig,
     region_name: str,
@@ -681,28 +711,7 @@ def build_region_app(
 
     acker = _FaustAcker()
     pipeline = config.pipeline
-    local: LocalStates | None = None
-    changelog: _FaustChangelog | LocalChangelog
-    if pipeline.state_dir is not None:
-        # The states on local disk (pipeline.localstore), behind the same table.
-        local = LocalStates(
-            Path(pipeline.state_dir) / app_id,
-            lambda key, record: renewal_due(engine, key, record),
-            {e.name: e.version for e in config.entities},
-            cache_mb=pipeline.state_cache_mb,
-        )
-        _check_lineage(config, names.changelog_topic(region_name), local)
-        state._data = LocalTableStore(app, state, local)  # type: ignore[attr-defined]
-        changelog = LocalChangelog(
-            app,
-            state,
-            local,
-            config.kafka.bootstrap_servers,
-            config.kafka.security.aiokafka_options(),
-        )
-        log.info("region %s: entity states on local disk in %s", region_name, local.folder)
-    else:
-        changelog = _FaustChangelog(app, state)
+    local, changelog = _state_sinks(app, config, region_name, engine, state)
     runtime = RegionRuntime(
         region=region_name,
         app_id=app_id,
