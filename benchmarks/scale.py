@@ -1,28 +1,50 @@
 """Benchmark of a regional worker's state against the number of entities (issue 36).
 
-For each size, in a process of its own (so that its resident memory is its own)
-and with the worker's garbage-collector tuning (pipeline.gctune, once a second):
-users with ``--events`` events each over the last day (every event two regional
-changes: its user's and its item's; one item per 10 users), interleaved in time
-as a stream is, applied through the regional worker's runtime
+Two modes of the worker, measured in the same run for every size (so that the
+figures are ratios within one run), each size and mode in a process of its own
+(so that its resident memory is its own) and with the worker's garbage-collector
+tuning (pipeline.gctune, once a second):
+
+- ``memory``: every entity state a Python object (``RegionRuntime`` without a
+  store), recovered whole from the changelog;
+- ``disk``: the states on local disk (``store=`` pipeline.localstore.LocalStates,
+  one RocksDB per changelog partition) behind a bounded cache of the hot ones
+  (``memory_bytes=``, ``--memory-mb``: pipeline.runtime.states.StateCache), read
+  back on a miss; a restart reads nothing up front (``runtime.resumed``).
+
+The load: users with ``--events`` events each over the last day (every event two
+regional changes: its user's and its item's; one item per 10 users), interleaved
+in time as a stream is, applied through the regional worker's runtime
 (pipeline.runtime.RegionRuntime: packs decoded, changes applied, vectors and
 schedules computed per batch, states to the changelog per checkpoint) with
-in-memory ports: the cache and the changelog cost no I/O here, so what is
-measured is the worker's own CPU and memory. Then the worker's recovery: the
-changelog's records, serialized as on the broker, decoded and rebuilt into
-working states (``pipeline.statestore.rebuild_states``), and the vectors it
-writes at once after it (none, when every recovered state is the one whose
-vector the cache holds: the rest are renewed when their schedules run out).
+in-memory ports for the cache. The changelog: in memory mode a dict (Faust's
+memory table: no I/O); in disk mode a sink like pipeline.faustlocal.LocalChangelog
+whose broker is a file: each record encoded once (orjson) and appended to the
+file, and, at the checkpoint's close, written to the partition's database with
+the offset of the last (``records_applied``).
 
-Reported per size: changes/s of the apply path, resident memory (RSS) after
-the load, the state's part of it (RSS less that of the empty worker) per user
-and per stored row, checkpoint seconds, the changelog's
-serialized size, recovery seconds (decode + rebuild) and the vectors
-rewritten at once after it. The figures, against the number of users, are what issue 36's
-state store must keep flat.
+Recovery. Memory mode: the changelog's records, serialized as on the broker,
+decoded and rebuilt into working states (``pipeline.statestore.rebuild_states``),
+and the vectors written at once after it. Disk mode: a fresh worker on the same
+folder, from opening it to the first new change of an existing user applied and
+its vector written to the cache (the time to serve fresh writes), then the
+renewals due at once (one tick: the renewal index's range reads); and a lost
+disk: an empty folder rebuilt from the changelog file (``records_applied`` by
+batches of 10,000 records). Both check that every entity's vector afterwards is
+the one before (read through the store, in disk mode).
+
+Reported per size and mode: changes/s of the apply path, resident memory (RSS)
+after the load, the state's part of it (RSS less that of the empty worker) per
+user, checkpoint seconds, the changelog's serialized size (one record per key, as
+compaction keeps it), recovery seconds and the vectors rewritten at once after it;
+memory mode: bytes per stored row; disk mode: the store's size on disk (against
+the serialized changelog's: the target is within 2x), the cache's reads from the
+store (misses) and evictions, the time to serve fresh writes after a restart, to
+renew what is due at once, and to rebuild a lost disk.
 
     .venv/bin/python benchmarks/scale.py                       # 10k and 100k users
     .venv/bin/python benchmarks/scale.py --users 1000000       # one size
+    .venv/bin/python benchmarks/scale.py --mode disk --memory-mb 512
     .venv/bin/python benchmarks/scale.py --smoke               # 500 users (the test suite)
     .venv/bin/python benchmarks/scale.py --plot docs/img/scale.png
 """
@@ -31,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import hashlib
 import json
@@ -39,11 +62,13 @@ import os
 import platform
 import random
 import resource
+import shutil
 import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +80,15 @@ import orjson  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from edge_cache import Delete, Upsert  # noqa: E402
-from edgefeed.settings import load_settings  # noqa: E402
+from edgefeed.settings import EdgefeedSettings, load_settings  # noqa: E402
 from pipeline.features import EntityState, FeatureEngine  # noqa: E402
 from pipeline.gctune import GcTuner  # noqa: E402
+from pipeline.localstore import LocalStates  # noqa: E402
 from pipeline.messages import RegionalChange, encode_packs  # noqa: E402
 from pipeline.metrics import PipelineMetrics  # noqa: E402
 from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime  # noqa: E402
-from pipeline.statestore import rebuild_states, store_state  # noqa: E402
+from pipeline.runtime.region import ChangelogSink, renewal_due  # noqa: E402
+from pipeline.statestore import checkpoint_key, rebuild_states, store_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DAY_MS = 86_400_000
@@ -69,6 +96,15 @@ PARTITIONS = 4
 CHANGES_PER_MESSAGE = 100  # the router's packs under load
 MESSAGE_S = 0.005  # the fake clock's step per message: 20 ms batches hold ~4 messages
 KINDS = ("view",) * 6 + ("click",) * 2 + ("add_to_cart", "purchase")
+MODES = ("memory", "disk")
+MEMORY_MB = 256.0  # disk mode's default budget for the states in memory
+SMOKE_MEMORY_MB = 2.0  # --smoke: small, so that states are evicted and read back
+REBUILD_BATCH = 10_000  # records per records_applied when rebuilding a lost disk
+# A changelog file's record: partition, key length, value length (NONE: a deletion).
+FRAME = struct.Struct("<BII")
+NONE = 0xFFFFFFFF
+FRESH_USER = 1  # the existing user whose new change a restarted disk worker serves
+FRESH_LSN = 10**12  # after every change of the load
 
 
 def _page_kb() -> int:
@@ -81,16 +117,30 @@ def rss_mb() -> float:
         return int(statm.read().split()[1]) * _page_kb() / 1024
 
 
+def folder_bytes(path: Path) -> int:
+    """The size of the files under ``path`` (all folders down)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@functools.cache
+def settings() -> EdgefeedSettings:
+    return load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
+
+
 class Cache:
-    """CacheSink that keeps nothing: the vectors are computed, not stored."""
+    """CacheSink that keeps nothing: the vectors are computed, not stored (``keys``,
+    when a list, gets the entity key of every vector written)."""
 
     def __init__(self) -> None:
         self.ops = 0
+        self.keys: list[str] | None = None
 
     async def write(
         self, ops: Sequence[Upsert | Delete], now_us: int, *, freshness: bool = True
     ) -> Sequence[bool]:
         self.ops += len(ops)
+        if self.keys is not None:
+            self.keys.extend(f"{op.entity}:{op.id}" for op in ops)
         return [True] * len(ops)
 
     async def quarantine(self, quarantined: Mapping[str, str], released: Sequence[str]) -> None:
@@ -124,6 +174,91 @@ class Changelog:
         return None
 
 
+class LogWriter(MutableMapping[str, Any]):
+    """One changelog partition as a checkpoint writes it (pipeline.faustlocal._Writer):
+    each record encoded once and sent now; read back from the local store."""
+
+    def __init__(self, sink: DiskChangelog, partition: int) -> None:
+        self.sink, self.partition = sink, partition
+
+    def __getitem__(self, key: str) -> Any:
+        raw = self.sink.local.partition(self.partition).db.get(key.encode())
+        if raw is None:
+            raise KeyError(key)
+        return orjson.loads(raw)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.sink.send(self.partition, key, orjson.dumps(value))
+
+    def __delitem__(self, key: str) -> None:
+        self.sink.send(self.partition, key, None)
+
+    def __contains__(self, key: object) -> bool:
+        db = self.sink.local.partition(self.partition).db
+        return isinstance(key, str) and db.get(key.encode()) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sink.local.partition(self.partition).entity_keys())
+
+    def __len__(self) -> int:
+        raise TypeError("not counted")
+
+
+class DiskChangelog:
+    """ChangelogSink as pipeline.faustlocal.LocalChangelog, with a file for a broker
+    that acknowledges at once: each record appended to the file when sent; at the
+    checkpoint's close, the partition's records to its database with the offset of
+    the last (offsets counted per partition, from 0)."""
+
+    def __init__(self, local: LocalStates, path: Path) -> None:
+        self.local, self.path = local, path
+        self.log = open(path, "ab")  # noqa: SIM115 - open as long as the sink
+        self.pending: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+        self.offsets: dict[int, int] = dict.fromkeys(range(PARTITIONS), -1)
+        self.seconds = 0.0
+        self.records = 0
+        self.bytes = 0
+
+    def send(self, partition: int, key: str, value: bytes | None) -> None:
+        raw_key = key.encode()
+        size = NONE if value is None else len(value)
+        self.log.write(FRAME.pack(partition, len(raw_key), size) + raw_key + (value or b""))
+        self.bytes += len(raw_key) + (len(value) if value is not None else 0)
+        self.pending[partition].append((raw_key, value))
+
+    def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
+        started = time.perf_counter()
+        self.records += store_state(LogWriter(self, delivery.partition), key, state)
+        self.seconds += time.perf_counter() - started
+
+    async def relieve(self) -> None:
+        return None
+
+    async def close(self, partitions: Mapping[int, Delivery]) -> None:
+        started = time.perf_counter()
+        at_ms = int(time.time() * 1000)
+        for partition in partitions:
+            self.send(partition, checkpoint_key(partition), orjson.dumps({"at_ms": at_ms}))
+        self.log.flush()  # what the broker acknowledged
+        pending, self.pending = self.pending, defaultdict(list)
+        for partition, records in pending.items():
+            self.offsets[partition] += len(records)
+            self.local.records_applied(partition, records, self.offsets[partition])
+        self.seconds += time.perf_counter() - started
+
+    def finish(self) -> None:
+        self.log.close()
+
+
+def read_frames(path: Path) -> Iterator[tuple[int, bytes, bytes | None]]:
+    """The records of a DiskChangelog's file: (partition, key, value or None)."""
+    with open(path, "rb") as log:
+        while header := log.read(FRAME.size):
+            partition, key_len, value_len = FRAME.unpack(header)
+            key = log.read(key_len)
+            yield partition, key, None if value_len == NONE else log.read(value_len)
+
+
 class Acker:
     async def ack(self, delivery: Delivery) -> None:
         return None
@@ -137,6 +272,19 @@ class DeadLetters:
         self, delivery: Delivery, value: bytes, reason: str, error: str, index: int | None
     ) -> None:
         self.sent += 1
+
+
+def event_row(event_id: int, user: int, item: int, at: int, rng: random.Random) -> dict[str, Any]:
+    return {
+        "event_id": event_id,
+        "user_id": user,
+        "item_id": item,
+        "category_id": item % 20,
+        "price": round(rng.uniform(1, 200), 2),
+        "home_region": "eu-west",
+        "kind": rng.choice(KINDS),
+        "occurred_at": at * 1000,
+    }
 
 
 def changes(users: int, events: int, now_ms: int, seed: int) -> Iterator[RegionalChange]:
@@ -154,19 +302,14 @@ def changes(users: int, events: int, now_ms: int, seed: int) -> Iterator[Regiona
             lsn += 1
             at = base + rng.randrange(slice_ms)
             item = rng.randrange(1, items + 1)
-            row = {
-                "event_id": event_id,
-                "user_id": user,
-                "item_id": item,
-                "category_id": item % 20,
-                "price": round(rng.uniform(1, 200), 2),
-                "home_region": "eu-west",
-                "kind": rng.choice(KINDS),
-                "occurred_at": at * 1000,
-            }
+            row = event_row(event_id, user, item, at, rng)
             pk = str(event_id)
             yield RegionalChange("public.events", "c", lsn, 0, at, "user", user, pk, row)
             yield RegionalChange("public.events", "c", lsn, 1, at, "item", item, pk, row)
+
+
+def partition_of(key: str) -> int:
+    return hash(key) % PARTITIONS
 
 
 def messages(users: int, events: int, now_ms: int, seed: int) -> Iterator[tuple[int, list[bytes]]]:
@@ -174,7 +317,7 @@ def messages(users: int, events: int, now_ms: int, seed: int) -> Iterator[tuple[
     key partitioning sends them."""
     pending: dict[int, list[bytes]] = {p: [] for p in range(PARTITIONS)}
     for change in changes(users, events, now_ms, seed):
-        partition = hash(change.key) % PARTITIONS
+        partition = partition_of(change.key or "")
         bodies = pending[partition]
         bodies.append(change.encode())
         if len(bodies) >= CHANGES_PER_MESSAGE:
@@ -193,36 +336,44 @@ class Clock:
         return self.now
 
 
-def make_runtime(clock: Clock, now_s: float) -> tuple[RegionRuntime, Cache, Changelog]:
-    settings = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
-    cache, changelog = Cache(), Changelog()
+def make_runtime(
+    clock: Clock,
+    now_s: float,
+    changelog: ChangelogSink,
+    engine: FeatureEngine,
+    checkpoint_s: float,
+    store: LocalStates | None = None,
+    memory_bytes: int | None = None,
+) -> tuple[RegionRuntime, Cache]:
+    cache = Cache()
     runtime = RegionRuntime(
         region="eu-west",
         app_id="scale",
-        engine=FeatureEngine(settings.entities),
-        partition_of=lambda key: hash(key) % PARTITIONS,
+        engine=engine,
+        partition_of=partition_of,
         cache=cache,
         changelog=changelog,
         dead_letters=DeadLetters(),
         acker=Acker(),
         metrics=PipelineMetrics.create(CollectorRegistry()),
         policy=BatchPolicy(5000, 0.02, 2.0),
-        checkpoint_interval_s=1.0,
+        checkpoint_interval_s=checkpoint_s,
         clock=clock,
         wall=lambda: now_s + (clock.now - 1_000.0),
+        store=store,
+        memory_bytes=memory_bytes,
     )
-    return runtime, cache, changelog
+    return runtime, cache
 
 
-async def load(users: int, events: int, seed: int) -> dict[str, Any]:
-    """Apply the load, then recover from the changelog; the figures."""
-    now_s = time.time()
-    clock = Clock()
-    runtime, cache, changelog = make_runtime(clock, now_s)
-    gc.collect()
-    base = rss_mb()  # the interpreter, the libraries, an empty worker
+async def apply_load(
+    runtime: RegionRuntime, clock: Clock, users: int, events: int, seed: int, now_s: float
+) -> tuple[float, float]:
+    """Apply the load through ``runtime``, then write and checkpoint what is left:
+    (seconds, the peak estimated memory of the states in memory, MB)."""
     offsets = dict.fromkeys(range(PARTITIONS), 0)
     applied_s = 0.0
+    peak = 0
     # The worker's collector tuning (pipeline.gctune), once per second of its clock,
     # as the region app's housekeeping task runs it.
     tuner = GcTuner()
@@ -242,13 +393,95 @@ async def load(users: int, events: int, seed: int) -> dict[str, Any]:
             if task is not None and not task.done():
                 await task
             applied_s += time.perf_counter() - started
+            peak = max(peak, runtime.live.weight)
     started = time.perf_counter()
     await runtime.flush(lane=True)
-    clock.now += 2.0
-    await runtime.tick()
-    if runtime._checkpoint_task is not None:
-        await runtime._checkpoint_task
+    # Until every state is in the changelog (on disk, the bookkeeping of the vectors
+    # just written takes a checkpoint of its own).
+    for _ in range(10):
+        clock.now += 2.0
+        await runtime.tick()
+        if runtime._checkpoint_task is not None:
+            await runtime._checkpoint_task
+        if not runtime.ledger.dirty and not runtime.ledger.ready:
+            break
     applied_s += time.perf_counter() - started
+    return applied_s, max(peak, runtime.live.weight) / 1e6
+
+
+def entity_hash(engine: FeatureEngine, key: str, state: EntityState, at_ms: int) -> int:
+    vector = engine.engine(key.split(":", 1)[0]).vector(state, at_ms)
+    raw = key.encode() + orjson.dumps(vector, option=orjson.OPT_SORT_KEYS)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest())
+
+
+def vectors_digest(runtime: RegionRuntime, at_ms: int) -> int:
+    """An order-independent digest of every entity's vector read at ``at_ms``."""
+    total = 0
+    for key, state in runtime.live.items():
+        total = (total + entity_hash(runtime.engine, key, state, at_ms)) % 2**64
+    return total
+
+
+def stored_states(local: LocalStates, get: Any = None) -> Iterator[tuple[str, EntityState | None]]:
+    """Every entity the store holds, each partition's in key order, with its state:
+    through ``get`` (a runtime's ``live.get``: its cache, then the store) or read
+    from the store."""
+    for partition in range(PARTITIONS):
+        for key in local.entity_keys(partition):
+            yield key, get(key) if get is not None else local.load(key, partition)
+
+
+def store_digest(
+    engine: FeatureEngine,
+    states: Iterable[tuple[str, EntityState | None]],
+    at_ms: int,
+    leave_out: frozenset[str] = frozenset(),
+) -> tuple[int, int, int, int]:
+    """(digest of every entity's vector, digest without ``leave_out``, entities, rows)."""
+    total = without = entities = rows = 0
+    for key, state in states:
+        if state is None:
+            continue
+        entities += 1
+        rows += sum(len(r) for r in state["rows"].values())
+        found = entity_hash(engine, key, state, at_ms)
+        total = (total + found) % 2**64
+        if key not in leave_out:
+            without = (without + found) % 2**64
+    return total, without, entities, rows
+
+
+def store_record_bytes(local: LocalStates) -> int:
+    """The serialized size of the changelog records the store holds (one per key, as
+    compaction keeps them; its offsets, epochs and renewal index left out)."""
+    total = 0
+    for partition in range(PARTITIONS):
+        it = local.partition(partition).db.iter()
+        it.seek_to_first()
+        while it.valid():
+            key = it.key()
+            if key[:1] not in (b"\x00", b"\x1e"):
+                total += len(key) + len(it.value())
+            it.next()
+    return total
+
+
+# -- memory mode ------------------------------------------------------------------------------
+
+
+async def load_memory(
+    users: int, events: int, seed: int, now_s: float, checkpoint_s: float
+) -> dict[str, Any]:
+    """Apply the load, then recover from the changelog; the figures."""
+    clock = Clock()
+    changelog = Changelog()
+    runtime, cache = make_runtime(
+        clock, now_s, changelog, FeatureEngine(settings().entities), checkpoint_s
+    )
+    gc.collect()
+    base = rss_mb()  # the interpreter, the libraries, an empty worker
+    applied_s, _peak = await apply_load(runtime, clock, users, events, seed, now_s)
     changes_n = 2 * users * events
     at_ms = int(now_s * 1000)
     digest = vectors_digest(runtime, at_ms)
@@ -270,16 +503,18 @@ async def load(users: int, events: int, seed: int) -> dict[str, Any]:
     del runtime, cache, changelog
     gc.collect()
     try:
-        recovery = await recover(path, now_s, at_ms, digest)
+        recovery = await recover_memory(path, now_s, at_ms, digest)
     finally:
         os.unlink(path)
     return {
+        "mode": "memory",
         "users": users,
         "events_per_user": events,
         "changes": changes_n,
         "dead_lettered": dead,
         "entities": entities,
         "rows": rows,
+        "digest": digest,
         "apply_s": round(applied_s, 2),
         "changes_per_s": round(changes_n / applied_s),
         "rss_mb": round(rss),
@@ -293,18 +528,8 @@ async def load(users: int, events: int, seed: int) -> dict[str, Any]:
     }
 
 
-def vectors_digest(runtime: RegionRuntime, at_ms: int) -> int:
-    """An order-independent digest of every entity's vector read at ``at_ms``."""
-    total = 0
-    for key, state in runtime.live.items():
-        vector = runtime.engine.engine(key.split(":", 1)[0]).vector(state, at_ms)
-        raw = key.encode() + orjson.dumps(vector, option=orjson.OPT_SORT_KEYS)
-        total = (total + int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest())) % 2**64
-    return total
-
-
 def read_log(path: str) -> Iterator[tuple[str, Any]]:
-    """The changelog's records from the file ``load`` wrote, decoded."""
+    """The changelog's records from the file ``load_memory`` wrote, decoded."""
     with open(path, "rb") as log:
         while header := log.read(8):
             key_len, value_len = struct.unpack("<II", header)
@@ -312,14 +537,16 @@ def read_log(path: str) -> Iterator[tuple[str, Any]]:
             yield key, orjson.loads(log.read(value_len))
 
 
-async def recover(path: str, now_s: float, at_ms: int, digest: int) -> dict[str, Any]:
+async def recover_memory(path: str, now_s: float, at_ms: int, digest: int) -> dict[str, Any]:
     """A restarted worker's recovery from the changelog's bytes: decode, rebuild the
     working states, then write what is due at once (renewals)."""
     started = time.perf_counter()
     states = rebuild_states(read_log(path), lambda key: True)
     decoded_s = time.perf_counter() - started
     clock = Clock()
-    runtime, cache, _changelog = make_runtime(clock, now_s)
+    runtime, cache = make_runtime(
+        clock, now_s, Changelog(), FeatureEngine(settings().entities), 1.0
+    )
     runtime.recovered(states)
     del states
     started = time.perf_counter()
@@ -336,24 +563,240 @@ async def recover(path: str, now_s: float, at_ms: int, digest: int) -> dict[str,
     }
 
 
-def child(users: int, events: int, seed: int, out: Any) -> None:
-    result = asyncio.run(load(users, events, seed))
+# -- disk mode --------------------------------------------------------------------------------
+
+
+def open_states(root: Path, engine: FeatureEngine) -> LocalStates:
+    versions = {e.name: e.version for e in settings().entities}
+    return LocalStates(root, lambda key, record: renewal_due(engine, key, record), versions)
+
+
+async def load_disk(
+    users: int, events: int, seed: int, now_s: float, checkpoint_s: float, memory_mb: float
+) -> dict[str, Any]:
+    """Apply the load with the states on disk, restart on the folder, rebuild a lost
+    one from the changelog; the figures."""
+    folder = Path(tempfile.mkdtemp(prefix="scale-disk-"))
+    try:
+        return await _load_disk(folder, users, events, seed, now_s, checkpoint_s, memory_mb)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _load_disk(
+    folder: Path,
+    users: int,
+    events: int,
+    seed: int,
+    now_s: float,
+    checkpoint_s: float,
+    memory_mb: float,
+) -> dict[str, Any]:
+    clock = Clock()
+    engine = FeatureEngine(settings().entities)
+    budget = int(memory_mb * 2**20)
+    local = open_states(folder / "state", engine)
+    changelog = DiskChangelog(local, folder / "changelog.log")
+    runtime, cache = make_runtime(
+        clock, now_s, changelog, engine, checkpoint_s, store=local, memory_bytes=budget
+    )
+    runtime.resumed(list(range(PARTITIONS)))  # a first start: an empty folder
+    gc.collect()
+    base = rss_mb()  # the interpreter, the libraries, an empty worker (no database open)
+    applied_s, peak_cache_mb = await apply_load(runtime, clock, users, events, seed, now_s)
+    changelog.finish()
+    changes_n = 2 * users * events
+    dead = runtime.dead_letters.sent  # type: ignore[attr-defined]
+    gc.collect()
+    rss = rss_mb()
+    live = runtime.live
+    loads, evictions, hot, dirty = live.loads, live.evictions, len(live), live.dirty
+    cache_mb = live.weight / 1e6
+    open_bytes = folder_bytes(folder / "state")  # while open: its write-ahead logs too
+    at_ms = int(now_s * 1000)
+    fresh = f"user:{FRESH_USER}"
+    digest, digest_without, entities, rows = store_digest(
+        engine, stored_states(local, live.get), at_ms, frozenset({fresh})
+    )
+    serialized = store_record_bytes(local)
+    checkpoint_secs, records, log_bytes = changelog.seconds, changelog.records, changelog.bytes
+    local.close()  # the folder's lock: the restarted worker takes the same folder
+    store_bytes = folder_bytes(folder / "state")
+    del runtime, cache, changelog, live
+    gc.collect()
+    recovery = await recover_disk(folder, now_s, at_ms, budget, digest_without)
+    rebuild = rebuild_disk(folder, engine, at_ms, digest)
+    return {
+        "mode": "disk",
+        "memory_mb": memory_mb,
+        "budget_bytes": budget,
+        "users": users,
+        "events_per_user": events,
+        "changes": changes_n,
+        "dead_lettered": dead,
+        "entities": entities,
+        "rows": rows,
+        "digest": digest,
+        "apply_s": round(applied_s, 2),
+        "changes_per_s": round(changes_n / applied_s),
+        "rss_mb": round(rss),
+        "state_mb": round(rss - base),
+        "kb_per_user": round((rss - base) * 1024 / users, 1),
+        "cache_mb": round(cache_mb, 1),
+        "peak_cache_mb": round(peak_cache_mb, 1),
+        "hot_entities": hot,
+        "dirty_after": dirty,
+        "loads": loads,
+        "evictions": evictions,
+        "checkpoint_s": round(checkpoint_secs, 2),
+        "changelog_records": records,
+        "serialized_mb": round(serialized / 1e6, 1),
+        "log_mb": round(log_bytes / 1e6, 1),
+        "store_open_mb": round(open_bytes / 1e6, 1),
+        "store_mb": round(store_bytes / 1e6, 1),
+        "store_ratio": round(store_bytes / max(serialized, 1), 2),
+        **recovery,
+        **rebuild,
+    }
+
+
+async def recover_disk(
+    folder: Path, now_s: float, at_ms: int, budget: int, digest_without: int
+) -> dict[str, Any]:
+    """A restarted worker on the same folder: from opening it to a new change of an
+    existing user applied and its vector in the cache (fresh writes served), then
+    the renewals due at once; then every entity's vector, read through the store."""
+    clock = Clock()
+    engine = FeatureEngine(settings().entities)  # the worker's, built before it starts
+    fresh = f"user:{FRESH_USER}"
+    at = int(now_s * 1000)
+    change = RegionalChange(
+        "public.events",
+        "c",
+        FRESH_LSN,
+        0,
+        at,
+        "user",
+        FRESH_USER,
+        "fresh",
+        event_row(10**9, FRESH_USER, 1, at, random.Random(0)),
+    )
+    (body,) = encode_packs([change.encode()])
+    gc.collect()
+    started = time.perf_counter()
+    local = open_states(folder / "state", engine)
+    changelog = DiskChangelog(local, folder / "after.log")
+    runtime, cache = make_runtime(
+        clock, now_s, changelog, engine, 1.0, store=local, memory_bytes=budget
+    )
+    runtime.resumed(list(range(PARTITIONS)))
+    cache.keys = []
+    await runtime.on_message(Delivery(partition_of(fresh), 10**9), body)
+    await runtime.flush()
+    recovery_s = time.perf_counter() - started
+    served = fresh in cache.keys
+    written = cache.ops
+    started = time.perf_counter()
+    await runtime.tick()  # the renewal index read: what is due at once
+    while await runtime.renew():
+        pass
+    renew_s = time.perf_counter() - started
+    rewritten = cache.ops - written
+    state = runtime.live.get(fresh)
+    applied = state is not None and int(state["lsn"]) == FRESH_LSN
+    _total, without, entities, _rows = store_digest(
+        engine, stored_states(local, runtime.live.get), at_ms, frozenset({fresh})
+    )
+    recovered_cache_bytes = runtime.live.weight
+    changelog.finish()
+    local.close()
+    return {
+        "recovery_s": round(recovery_s, 3),
+        "renew_s": round(renew_s, 3),
+        "rewritten": rewritten,
+        "fresh_served": served and applied,
+        "recovered_entities": entities,
+        "recovered_equal": without == digest_without,
+        "recovered_cache_bytes": recovered_cache_bytes,
+        "recovered_hot": len(runtime.live),
+    }
+
+
+def rebuild_disk(folder: Path, engine: FeatureEngine, at_ms: int, digest: int) -> dict[str, Any]:
+    """A lost disk: an empty folder rebuilt from the changelog file (as a worker reads
+    a partition its folder lacks: whole), by batches of REBUILD_BATCH records."""
+    gc.collect()
+    started = time.perf_counter()
+    local = open_states(folder / "rebuilt", engine)
+    batches: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+    offsets = dict.fromkeys(range(PARTITIONS), -1)
+    records = 0
+    for partition, key, value in read_frames(folder / "changelog.log"):
+        offsets[partition] += 1
+        records += 1
+        batch = batches[partition]
+        batch.append((key, value))
+        if len(batch) >= REBUILD_BATCH:
+            local.records_applied(partition, batch, offsets[partition])
+            batches[partition] = []
+    for partition, batch in batches.items():
+        if batch:
+            local.records_applied(partition, batch, offsets[partition])
+    rebuild_s = time.perf_counter() - started
+    total, _without, _entities, _rows = store_digest(engine, stored_states(local), at_ms)
+    local.close()
+    return {
+        "rebuild_s": round(rebuild_s, 2),
+        "rebuild_records": records,
+        "rebuilt_equal": total == digest,
+    }
+
+
+# -- the runs ---------------------------------------------------------------------------------
+
+
+def child(
+    mode: str,
+    users: int,
+    events: int,
+    seed: int,
+    now_s: float,
+    checkpoint_s: float,
+    memory_mb: float,
+    out: Any,
+) -> None:
+    if mode == "memory":
+        result = asyncio.run(load_memory(users, events, seed, now_s, checkpoint_s))
+    else:
+        result = asyncio.run(load_disk(users, events, seed, now_s, checkpoint_s, memory_mb))
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out.send(result)
 
 
-def run_size(users: int, events: int, seed: int) -> dict[str, Any]:
-    """One size in a fresh process (spawned: its memory is the measurement)."""
+def run_size(
+    mode: str,
+    users: int,
+    events: int,
+    seed: int,
+    now_s: float,
+    checkpoint_s: float,
+    memory_mb: float,
+) -> dict[str, Any]:
+    """One size and mode in a fresh process (spawned: its memory is the measurement)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=child, args=(users, events, seed, send))
+    process = context.Process(
+        target=child, args=(mode, users, events, seed, now_s, checkpoint_s, memory_mb, send)
+    )
     process.start()
     send.close()
     try:
         result: dict[str, Any] = receive.recv()
     except EOFError:
         process.join()
-        raise RuntimeError(f"the {users}-user run died (exit code {process.exitcode})") from None
+        raise RuntimeError(
+            f"the {users}-user {mode} run died (exit code {process.exitcode})"
+        ) from None
     process.join()
     return result
 
@@ -372,38 +815,121 @@ COLUMNS = (
     ("rewritten", "rewritten after"),
 )
 
+DISK_COLUMNS = (
+    ("users", "users"),
+    ("changes", "changes"),
+    ("changes_per_s", "changes/s"),
+    ("rss_mb", "RSS MB"),
+    ("state_mb", "state MB"),
+    ("kb_per_user", "KB/user"),
+    ("checkpoint_s", "checkpoint s"),
+    ("serialized_mb", "changelog MB"),
+    ("log_mb", "log MB"),
+    ("store_open_mb", "store MB open"),
+    ("store_mb", "store MB"),
+    ("store_ratio", "store/changelog"),
+    ("peak_cache_mb", "peak cache MB"),
+    ("loads", "loads"),
+    ("evictions", "evictions"),
+    ("recovery_s", "recovery s"),
+    ("renew_s", "renew s"),
+    ("rewritten", "rewritten after"),
+    ("rebuild_s", "rebuild s"),
+    ("recovered_equal", "recovered equal"),
+)
 
-def print_table(results: list[dict[str, Any]]) -> None:
-    print("| " + " | ".join(title for _, title in COLUMNS) + " |")
-    print("|" + "---|" * len(COLUMNS))
+RATIO_COLUMNS = (
+    ("changes_per_s", "changes/s"),
+    ("rss_mb", "RSS"),
+    ("state_mb", "state MB"),
+    ("checkpoint_s", "checkpoint s"),
+    ("recovery_s", "recovery s"),
+)
+
+
+def _cell(value: Any) -> str:
+    return str(value) if isinstance(value, bool | str) else f"{value:,}"
+
+
+def print_table(results: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
+    print("| " + " | ".join(title for _, title in columns) + " |")
+    print("|" + "---|" * len(columns))
     for result in results:
-        print("| " + " | ".join(f"{result[key]:,}" for key, _ in COLUMNS) + " |")
+        print("| " + " | ".join(_cell(result[key]) for key, _ in columns) + " |")
+
+
+def print_ratios(results: list[dict[str, Any]]) -> None:
+    """Disk mode's figures over memory mode's, per size (one run: one machine)."""
+    pairs = _pairs(results)
+    if not pairs:
+        return
+    titles = [title for _, title in RATIO_COLUMNS]
+    print("| users | " + " | ".join(titles) + " | rebuild s / memory recovery s | same vectors |")
+    print("|" + "---|" * (len(titles) + 3))
+    for memory, disk in pairs:
+        cells = [_ratio(disk[key], memory[key]) for key, _ in RATIO_COLUMNS]
+        cells.append(_ratio(disk["rebuild_s"], memory["recovery_s"]))
+        cells.append(str(disk["digest"] == memory["digest"]))
+        print(f"| {memory['users']:,} | " + " | ".join(cells) + " |")
+
+
+def _ratio(disk: float, memory: float) -> str:
+    return f"{disk / memory:.3g}x" if memory else "-"
+
+
+def _pairs(results: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    memory = {r["users"]: r for r in results if r["mode"] == "memory"}
+    return [
+        (memory[r["users"]], r) for r in results if r["mode"] == "disk" and r["users"] in memory
+    ]
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Memory, changes/s, checkpoint and recovery time against users (log scale)."""
+    """Memory, changes/s, checkpoint and recovery time against users (log scale), a
+    line per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    users = [r["users"] for r in results]
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
     panels = (
         ("rss_mb", "worker RSS (MB)"),
         ("changes_per_s", "apply path (changes/s, one core)"),
         ("checkpoint_s", "checkpoint time over the load (s)"),
-        ("recovery_s", "recovery: decode + rebuild (s)"),
+        ("recovery_s", "recovery (s): until fresh writes are served"),
     )
+    lines: list[tuple[str, str, str, str]] = []  # mode, key, label, style
+    for mode in MODES:
+        found = [r for r in results if r["mode"] == mode]
+        if not found:
+            continue
+        label = (
+            "edgefeed, states in memory"
+            if mode == "memory"
+            else f"edgefeed, states on disk ({found[0]['memory_mb']:g} MB budget)"
+        )
+        lines.append((mode, "", label, "-"))
     for axis, (key, title) in zip(axes.flat, panels, strict=True):
-        axis.plot(users, [r[key] for r in results], marker="o", label="edgefeed (in memory)")
+        for mode, _, label, style in lines:
+            found = [r for r in results if r["mode"] == mode]
+            users = [r["users"] for r in found]
+            axis.plot(users, [r[key] for r in found], style, marker="o", label=label)
+            if key == "recovery_s" and mode == "disk":
+                axis.plot(
+                    users,
+                    [r["rebuild_s"] for r in found],
+                    "--",
+                    marker="x",
+                    label="states on disk: a lost disk rebuilt from the changelog",
+                )
         axis.set_xscale("log")
         if key != "changes_per_s":
             axis.set_yscale("log")
         axis.set_title(title)
         axis.set_xlabel("users in the region")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize="small")
     figure.suptitle(f"A regional worker's state against its entities ({platform.machine()})")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -415,12 +941,29 @@ def main() -> None:
     parser.add_argument("--users", type=int, action="append", help="users (repeatable)")
     parser.add_argument("--events", type=int, default=20, help="events per user")
     parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    parser.add_argument(
+        "--memory-mb",
+        type=float,
+        help=f"disk mode: the states' memory budget (default {MEMORY_MB:g}; "
+        f"{SMOKE_MEMORY_MB:g} with --smoke)",
+    )
     parser.add_argument("--smoke", action="store_true", help="500 users: checks it works")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     args = parser.parse_args()
     sizes = [500] if args.smoke else (args.users or [10_000, 100_000])
-    results = [run_size(users, args.events, args.seed) for users in sizes]
+    modes = MODES if args.mode == "both" else (args.mode,)
+    memory_mb = args.memory_mb or (SMOKE_MEMORY_MB if args.smoke else MEMORY_MB)
+    # --smoke: a checkpoint every 20 messages, so that its few changes still see
+    # several (states made clean, evicted and read back during the load).
+    checkpoint_s = 0.1 if args.smoke else 1.0
+    now_s = time.time()  # one read time for every run: their vectors compare
+    results = [
+        run_size(mode, users, args.events, args.seed, now_s, checkpoint_s, memory_mb)
+        for users in sizes
+        for mode in modes
+    ]
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -429,7 +972,17 @@ def main() -> None:
             f"Python {platform.python_version()}; {args.events} events per user, "
             f"{PARTITIONS} partitions, packs of {CHANGES_PER_MESSAGE} changes"
         )
-        print_table(results)
+        memory = [r for r in results if r["mode"] == "memory"]
+        disk = [r for r in results if r["mode"] == "disk"]
+        if memory:
+            print("\nstates in memory:\n")
+            print_table(memory, COLUMNS)
+        if disk:
+            print(f"\nstates on disk ({memory_mb:g} MB budget):\n")
+            print_table(disk, DISK_COLUMNS)
+        if memory and disk:
+            print("\non disk / in memory:\n")
+            print_ratios(results)
     if args.plot is not None:
         plot(results, args.plot)
 
