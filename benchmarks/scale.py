@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ from edge_cache import Delete, Upsert  # noqa: E402
 from edgefeed.settings import EdgefeedSettings, load_settings  # noqa: E402
 from pipeline.features import EntityState, FeatureEngine  # noqa: E402
 from pipeline.gctune import GcTuner  # noqa: E402
-from pipeline.localstore import LocalStates  # noqa: E402
+from pipeline.localstore import ChangelogWriter, LocalStates  # noqa: E402
 from pipeline.messages import RegionalChange, encode_packs  # noqa: E402
 from pipeline.metrics import PipelineMetrics  # noqa: E402
 from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime  # noqa: E402
@@ -174,36 +174,6 @@ class Changelog:
         return None
 
 
-class LogWriter(MutableMapping[str, Any]):
-    """One changelog partition as a checkpoint writes it (pipeline.faustlocal._Writer):
-    each record encoded once and sent now; read back from the local store."""
-
-    def __init__(self, sink: DiskChangelog, partition: int) -> None:
-        self.sink, self.partition = sink, partition
-
-    def __getitem__(self, key: str) -> Any:
-        raw = self.sink.local.partition(self.partition).db.get(key.encode())
-        if raw is None:
-            raise KeyError(key)
-        return orjson.loads(raw)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self.sink.send(self.partition, key, orjson.dumps(value))
-
-    def __delitem__(self, key: str) -> None:
-        self.sink.send(self.partition, key, None)
-
-    def __contains__(self, key: object) -> bool:
-        db = self.sink.local.partition(self.partition).db
-        return isinstance(key, str) and db.get(key.encode()) is not None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.sink.local.partition(self.partition).entity_keys())
-
-    def __len__(self) -> int:
-        raise TypeError("not counted")
-
-
 class DiskChangelog:
     """ChangelogSink as pipeline.faustlocal.LocalChangelog, with a file for a broker
     that acknowledges at once: each record appended to the file when sent; at the
@@ -228,7 +198,7 @@ class DiskChangelog:
 
     def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
         started = time.perf_counter()
-        self.records += store_state(LogWriter(self, delivery.partition), key, state)
+        self.records += store_state(ChangelogWriter(self, delivery.partition), key, state)
         self.seconds += time.perf_counter() - started
 
     async def relieve(self) -> None:
@@ -415,6 +385,35 @@ def entity_hash(engine: FeatureEngine, key: str, state: EntityState, at_ms: int)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest())
 
 
+def _figures(
+    users: int,
+    events: int,
+    dead: int,
+    entities: int,
+    rows: int,
+    digest: int,
+    applied_s: float,
+    rss: float,
+    base: float,
+) -> dict[str, Any]:
+    """The figures both modes report alike."""
+    changes_n = 2 * users * events
+    return {
+        "users": users,
+        "events_per_user": events,
+        "changes": changes_n,
+        "dead_lettered": dead,
+        "entities": entities,
+        "rows": rows,
+        "digest": digest,
+        "apply_s": round(applied_s, 2),
+        "changes_per_s": round(changes_n / applied_s),
+        "rss_mb": round(rss),
+        "state_mb": round(rss - base),
+        "kb_per_user": round((rss - base) * 1024 / users, 1),
+    }
+
+
 def vectors_digest(runtime: RegionRuntime, at_ms: int) -> int:
     """An order-independent digest of every entity's vector read at ``at_ms``."""
     total = 0
@@ -482,7 +481,6 @@ async def load_memory(
     gc.collect()
     base = rss_mb()  # the interpreter, the libraries, an empty worker
     applied_s, _peak = await apply_load(runtime, clock, users, events, seed, now_s)
-    changes_n = 2 * users * events
     at_ms = int(now_s * 1000)
     digest = vectors_digest(runtime, at_ms)
     dead = runtime.dead_letters.sent  # type: ignore[attr-defined]
@@ -508,18 +506,7 @@ async def load_memory(
         os.unlink(path)
     return {
         "mode": "memory",
-        "users": users,
-        "events_per_user": events,
-        "changes": changes_n,
-        "dead_lettered": dead,
-        "entities": entities,
-        "rows": rows,
-        "digest": digest,
-        "apply_s": round(applied_s, 2),
-        "changes_per_s": round(changes_n / applied_s),
-        "rss_mb": round(rss),
-        "state_mb": round(rss - base),
-        "kb_per_user": round((rss - base) * 1024 / users, 1),
+        **_figures(users, events, dead, entities, rows, digest, applied_s, rss, base),
         "bytes_per_row": round((rss - base) * 1024 * 1024 / max(rows, 1)),
         "checkpoint_s": round(checkpoint_s, 2),
         "changelog_records": records,
@@ -605,7 +592,6 @@ async def _load_disk(
     base = rss_mb()  # the interpreter, the libraries, an empty worker (no database open)
     applied_s, peak_cache_mb = await apply_load(runtime, clock, users, events, seed, now_s)
     changelog.finish()
-    changes_n = 2 * users * events
     dead = runtime.dead_letters.sent  # type: ignore[attr-defined]
     gc.collect()
     rss = rss_mb()
@@ -630,18 +616,7 @@ async def _load_disk(
         "mode": "disk",
         "memory_mb": memory_mb,
         "budget_bytes": budget,
-        "users": users,
-        "events_per_user": events,
-        "changes": changes_n,
-        "dead_lettered": dead,
-        "entities": entities,
-        "rows": rows,
-        "digest": digest,
-        "apply_s": round(applied_s, 2),
-        "changes_per_s": round(changes_n / applied_s),
-        "rss_mb": round(rss),
-        "state_mb": round(rss - base),
-        "kb_per_user": round((rss - base) * 1024 / users, 1),
+        **_figures(users, events, dead, entities, rows, digest, applied_s, rss, base),
         "cache_mb": round(cache_mb, 1),
         "peak_cache_mb": round(peak_cache_mb, 1),
         "hot_entities": hot,

@@ -141,8 +141,14 @@ def _count(value: int | None) -> str:
 
 
 def _bytes(value: int | None) -> str:
+    return human_bytes(value, "unknown")
+
+
+def human_bytes(value: int | None, missing: str) -> str:
+    """``value`` bytes in B, KiB, MiB or GiB (``missing`` when unknown); also what
+    ``edgefeed lag`` prints."""
     if value is None:
-        return "unknown"
+        return missing
     size = float(value)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import faust
@@ -28,7 +28,7 @@ from faust.stores.base import Store
 from pipeline.exceptions import StateStoreError
 from pipeline.faustcompat import record_epoch, relieve_producer
 from pipeline.features import EntityState
-from pipeline.localstore import LocalStates, record_mark
+from pipeline.localstore import ChangelogWriter, LocalStates, record_mark
 from pipeline.runtime.ledger import Delivery
 from pipeline.statestore import EPOCH_HEADER, checkpoint_key, fence_key, store_state
 
@@ -140,36 +140,6 @@ def _key(event: Any) -> bytes:
     return raw if isinstance(raw, bytes) else str(raw).encode()
 
 
-class _Writer(MutableMapping[str, Any]):
-    """One changelog partition as a checkpoint writes it: each record goes to the
-    broker now (encoded once) and to the local store once acknowledged."""
-
-    def __init__(self, sink: LocalChangelog, partition: int) -> None:
-        self.sink, self.partition = sink, partition
-
-    def __getitem__(self, key: str) -> Any:
-        raw = self.sink.local.partition(self.partition).db.get(key.encode())
-        if raw is None:
-            raise KeyError(key)
-        return orjson.loads(raw)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self.sink.send(self.partition, key, orjson.dumps(value))
-
-    def __delitem__(self, key: str) -> None:
-        self.sink.send(self.partition, key, None)
-
-    def __contains__(self, key: object) -> bool:
-        db = self.sink.local.partition(self.partition).db
-        return isinstance(key, str) and db.get(key.encode()) is not None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.sink.local.partition(self.partition).entity_keys())
-
-    def __len__(self) -> int:  # pragma: no cover - not used
-        raise TypeError("not counted")
-
-
 class LocalChangelog:
     """ChangelogSink with a local store: records to the changelog, then, once the
     broker has them, to the partition's database with the offset of the last."""
@@ -209,7 +179,7 @@ class LocalChangelog:
         await self._deliver()
 
     def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
-        store_state(_Writer(self, delivery.partition), key, state)
+        store_state(ChangelogWriter(self, delivery.partition), key, state)
 
     async def relieve(self) -> None:
         await relieve_producer(self.app)
@@ -302,17 +272,10 @@ async def changelog_record_at(
 ) -> tuple[bytes | None, bytes | None] | None:
     """The changelog record at ``offset`` of ``partition`` as (raw key, raw value); None
     when the partition has no record there (it ends before it, or begins after)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
     from aiokafka.errors import OffsetOutOfRangeError
 
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=list(bootstrap),
-        client_id="edgefeed-state-check",
-        enable_auto_commit=False,
-        auto_offset_reset="none",
-        **dict(options),
-    )
-    await asyncio.wait_for(consumer.start(), 30)
+    consumer = await _consumer(bootstrap, options, "edgefeed-state-check", "none")
     try:
         tp = TopicPartition(topic, partition)
         if topic not in await consumer.topics():
@@ -351,16 +314,9 @@ async def changelog_range(
     """The records ``first``..``last`` of a changelog partition as (offset, key as the
     worker writes it, raw value, owner epoch), in order (from the partition's start
     when ``first`` is before it)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=list(bootstrap),
-        client_id="edgefeed-state-catch-up",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        **dict(options),
-    )
-    await asyncio.wait_for(consumer.start(), 30)
+    consumer = await _consumer(bootstrap, options, "edgefeed-state-catch-up", "earliest")
     found: list[tuple[int, bytes, bytes | None, int | None]] = []
     try:
         tp = TopicPartition(topic, partition)
@@ -375,7 +331,12 @@ async def changelog_range(
                     return found
                 if message.offset >= first:
                     found.append(
-                        (message.offset, _wire_to_key(message.key), message.value, _epoch(message))
+                        (
+                            message.offset,
+                            _wire_to_key(message.key),
+                            message.value,
+                            record_epoch(message),
+                        )
                     )
                 if message.offset == last:
                     return found
@@ -394,11 +355,18 @@ def _wire_to_key(raw: bytes | None) -> bytes:
     return raw or b""
 
 
-def _epoch(message: Any) -> int | None:
-    for name, value in message.headers or ():
-        if name == EPOCH_HEADER:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                return None
-    return None
+async def _consumer(
+    bootstrap: Sequence[str], options: Mapping[str, Any], client_id: str, reset: str
+) -> Any:
+    """A started aiokafka consumer that commits nothing (the caller stops it)."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=list(bootstrap),
+        client_id=client_id,
+        enable_auto_commit=False,
+        auto_offset_reset=reset,
+        **dict(options),
+    )
+    await asyncio.wait_for(consumer.start(), 30)
+    return consumer

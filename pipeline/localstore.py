@@ -42,9 +42,17 @@ import logging
 import os
 import shutil
 import struct
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -53,6 +61,7 @@ from pipeline.features import EntityState
 from pipeline.statestore import ROW_SEP, state_from_records
 
 __all__ = [
+    "ChangelogWriter",
     "LocalStates",
     "PartitionStore",
     "RenewalOf",
@@ -497,3 +506,43 @@ class LocalStates:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the folder's lock
             self._lock_fd = -1
+
+
+class RecordSink(Protocol):
+    """Where a checkpoint's records go (pipeline.faustlocal.LocalChangelog; the
+    benchmark's file-backed sink): ``local`` is the worker's store."""
+
+    local: LocalStates
+
+    def send(self, partition: int, key: str, value: bytes | None) -> None: ...
+
+
+class ChangelogWriter(MutableMapping[str, Any]):
+    """One changelog partition as a checkpoint writes it (pipeline.statestore's
+    ``store_state`` takes it as the table): each record encoded once and handed
+    to ``sink``; what is stored is read back from the partition's database."""
+
+    def __init__(self, sink: RecordSink, partition: int) -> None:
+        self.sink, self.partition = sink, partition
+
+    def __getitem__(self, key: str) -> Any:
+        raw = self.sink.local.partition(self.partition).db.get(key.encode())
+        if raw is None:
+            raise KeyError(key)
+        return orjson.loads(raw)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.sink.send(self.partition, key, orjson.dumps(value))
+
+    def __delitem__(self, key: str) -> None:
+        self.sink.send(self.partition, key, None)
+
+    def __contains__(self, key: object) -> bool:
+        db = self.sink.local.partition(self.partition).db
+        return isinstance(key, str) and db.get(key.encode()) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sink.local.partition(self.partition).entity_keys())
+
+    def __len__(self) -> int:  # pragma: no cover - not used
+        raise TypeError("not counted")

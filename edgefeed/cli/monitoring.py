@@ -201,14 +201,9 @@ def _seconds(value: float | None) -> str:
 
 
 def _bytes(value: int | None) -> str:
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(value)
+    from monitoring.page import human_bytes
+
+    return human_bytes(value, "-")
 
 
 def render(report: Report) -> Group:

@@ -27,9 +27,8 @@ from test_runtime import (  # type: ignore[import-not-found]
 )
 
 from pipeline.exceptions import StateStoreError
-from pipeline.faustlocal import _Writer
 from pipeline.features import EntityState, FeatureEngine
-from pipeline.localstore import LocalStates
+from pipeline.localstore import ChangelogWriter, LocalStates
 from pipeline.metrics import PipelineMetrics
 from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime
 from pipeline.runtime.region import renewal_due
@@ -265,7 +264,7 @@ class StoreChangelog:
         self.records += 1
 
     def store(self, key: str, state: EntityState, delivery: Delivery) -> None:
-        store_state(_Writer(self, delivery.partition), key, state)  # type: ignore[arg-type]
+        store_state(ChangelogWriter(self, delivery.partition), key, state)
         self.journal.events.append(("store", key))
 
     async def relieve(self) -> None:
