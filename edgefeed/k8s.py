@@ -18,6 +18,10 @@ the parts that follow from the settings, written here:
   topic's partitions, the Redis Service named after the ``redis_url`` host)
   and ``overlays/<region>-gpu`` (the same with the model workers on an NVIDIA
   GPU).
+- ``overlays/central/kafkausers.yaml`` and ``overlays/<region>/kafkausers.yaml``:
+  a Strimzi ``KafkaUser`` per role that talks to Kafka (mutual TLS, simple
+  ACLs), with the topic and group names of the settings: the router alone may
+  write the regional topics (:func:`kafka_users`).
 
 :func:`render` is pure: it maps the inputs to ``{relative path: text}``;
 ``edgefeed deploy k8s`` writes the files or, with ``--check``, reports the
@@ -42,9 +46,13 @@ from edgefeed.settings import EdgefeedSettings, SettingsError
 __all__ = [
     "CENTRAL_NAMESPACE",
     "GENERATED_NOTE",
+    "KAFKA_CERT_DIR",
+    "KAFKA_CLUSTER",
     "K8sInputs",
     "diff",
     "inline_secrets",
+    "kafka_user_name",
+    "kafka_users",
     "region_namespace",
     "render",
     "write",
@@ -52,6 +60,12 @@ __all__ = [
 
 CENTRAL_NAMESPACE = "edgefeed"
 GENERATED_NOTE = "# Written by `edgefeed deploy k8s` from the settings file: do not edit.\n"
+#: The Strimzi Kafka cluster (its bootstrap Service is ``<cluster>-kafka-bootstrap``,
+#: base/*/externals.yaml) whose User Operator turns the KafkaUsers into ACLs.
+KAFKA_CLUSTER = "edgefeed"
+#: Where every Kafka client pod finds its certificate, key and the cluster CA
+#: (``kafka.security``'s cert_file, key_file and ca_file point here).
+KAFKA_CERT_DIR = "/run/secrets/kafka"
 
 
 def region_namespace(region: str) -> str:
@@ -108,6 +122,147 @@ def _prometheus_rule(alerts_text: str) -> dict[str, object]:
     }
 
 
+def _acl(
+    kind: str, name: str, operations: list[str], pattern: str = "literal"
+) -> dict[str, object]:
+    return {
+        "resource": {"type": kind, "name": name, "patternType": pattern},
+        "operations": operations,
+        "host": "*",
+    }
+
+
+def _kafka_user(name: str, role: str, acls: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "apiVersion": "kafka.strimzi.io/v1beta2",
+        "kind": "KafkaUser",
+        "metadata": {
+            "name": name,
+            "labels": {"strimzi.io/cluster": KAFKA_CLUSTER, "app.kubernetes.io/component": role},
+        },
+        "spec": {
+            "authentication": {"type": "tls"},
+            "authorization": {"type": "simple", "acls": acls},
+        },
+    }
+
+
+#: What a Faust app does to a topic of its own (its changelogs, its assignor's topic).
+_OWN = ["Read", "Write", "Create", "Describe", "DescribeConfigs"]
+#: What a producer that may create its topic does.
+_PRODUCE = ["Write", "Create", "Describe"]
+_CONSUME = ["Read", "Describe"]
+
+
+def kafka_users(settings: EdgefeedSettings, region: str | None = None) -> list[dict[str, object]]:
+    """The KafkaUsers of the central namespace (``region=None``) or of a region's.
+
+    One principal (``User:CN=<name>``) per role whose pods talk to Kafka. The
+    router's is the only one with Write on the regional topics; a region's
+    workers read their region's topic only and write their own changelog,
+    assignor topic and dead letters (literal names: a prefix would reach a
+    region named ``eu-west-2`` from ``eu-west``).
+    """
+    names = settings.pipeline.names
+    sources = [f"{source.effective_topic_prefix}." for source in settings.sources]
+    if region is None:
+        router = [
+            *(_acl("topic", prefix, _CONSUME, "prefix") for prefix in sources),
+            _acl("topic", f"{names.region_topic_prefix}.", _PRODUCE, "prefix"),
+            _acl("topic", names.dead_letter_topic, _PRODUCE),
+            _acl("topic", f"{names.dead_letter_topic}.", _PRODUCE, "prefix"),
+            _acl("topic", f"{names.router_group}-", _OWN, "prefix"),
+            _acl("group", names.router_group, _CONSUME),
+        ]
+        connect = [
+            _acl("topic", "_edgefeed_connect_", _OWN, "prefix"),
+            _acl("group", "edgefeed-connect", _CONSUME),
+            *(_acl("topic", prefix, _PRODUCE, "prefix") for prefix in sources),
+            *(
+                _acl("topic", f"__debezium-heartbeat.{source.effective_topic_prefix}", _PRODUCE)
+                for source in settings.sources
+            ),
+        ]
+        exporter = [
+            # Lag: every group's committed offsets and every topic's end offsets; the
+            # records at the committed offsets of the router's and the regions'
+            # groups (their timestamps); the central dead letters' reasons.
+            _acl("group", f"{settings.pipeline.app_prefix}-", ["Describe"], "prefix"),
+            _acl("topic", "*", ["Describe"]),
+            *(_acl("topic", prefix, ["Read"], "prefix") for prefix in sources),
+            _acl("topic", f"{names.region_topic_prefix}.", ["Read"], "prefix"),
+            _acl("topic", names.dead_letter_topic, ["Read"]),
+        ]
+        return [
+            _kafka_user("edgefeed-router", "router", router),
+            _kafka_user("edgefeed-connect", "connect", connect),
+            _kafka_user("edgefeed-exporter", "exporter", exporter),
+        ]
+    group = names.region_group(region)
+    topic = names.region_topic(region)
+    dead = names.region_dead_letter_topic(region)
+    worker = [
+        _acl("topic", topic, _CONSUME),
+        _acl("group", group, _CONSUME),
+        _acl("topic", names.changelog_topic(region), _OWN),
+        _acl("topic", f"{group}-__assignor-__leader", _OWN),
+        _acl("topic", dead, _PRODUCE),
+    ]
+    exporter = [
+        # Its region's lag (own group, own topic's records) and the router's
+        # progress on the source topics (offsets only: they hold every region's rows).
+        _acl("group", group, ["Describe"]),
+        _acl("group", names.router_group, ["Describe"]),
+        _acl("topic", topic, _CONSUME),
+        _acl("topic", dead, _CONSUME),
+        *(_acl("topic", prefix, ["Describe"], "prefix") for prefix in sources),
+    ]
+    return [
+        _kafka_user(kafka_user_name("feature-worker", region), "feature-worker", worker),
+        _kafka_user(kafka_user_name("exporter", region), "exporter", exporter),
+    ]
+
+
+def kafka_user_name(role: str, region: str | None = None) -> str:
+    """A role's KafkaUser, also the name of the Secret with its certificate."""
+    return f"edgefeed-{role}" if region is None else f"edgefeed-{region}-{role}"
+
+
+def _kafka_volume(user: str) -> dict[str, object]:
+    """The ``kafka`` volume: the KafkaUser's certificate and key and the cluster CA."""
+    return {
+        "name": "kafka",
+        "projected": {
+            "sources": [
+                {
+                    "secret": {
+                        "name": user,
+                        "items": [
+                            {"key": "user.crt", "path": "user.crt"},
+                            {"key": "user.key", "path": "user.key"},
+                        ],
+                    }
+                },
+                {
+                    "secret": {
+                        "name": f"{KAFKA_CLUSTER}-cluster-ca-cert",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+            ]
+        },
+    }
+
+
+def _kafka_volume_patch(name: str, user: str) -> dict[str, object]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {"template": {"spec": {"volumes": [_kafka_volume(user)]}}},
+    }
+
+
 def _container_patch(kind: str, name: str, container: str, command_line: str) -> dict[str, object]:
     args = command_line.split()
     return {
@@ -132,7 +287,7 @@ def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "namespace": namespace,
-        "resources": ["../../base/region", "redis-service.yaml"],
+        "resources": ["../../base/region", "redis-service.yaml", "kafkausers.yaml"],
         "labels": [{"pairs": {"edgefeed.io/region": region}, "includeSelectors": False}],
         "images": [{"name": "edgefeed", "newName": "edgefeed", "newTag": inputs.image_tag}],
         "patches": [{"path": "region.yaml"}],
@@ -174,6 +329,8 @@ def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
             f"exporter --scope region:{region} --host 0.0.0.0 --port 9308 --interval 15 "
             "--token-file /run/secrets/metrics_token",
         ),
+        _kafka_volume_patch("feature-worker", kafka_user_name("feature-worker", region)),
+        _kafka_volume_patch("exporter", kafka_user_name("exporter", region)),
         {
             "apiVersion": "keda.sh/v1alpha1",
             "kind": "ScaledObject",
@@ -243,6 +400,7 @@ def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
         f"{base}/kustomization.yaml": _dump(kustomization),
         f"{base}/redis-service.yaml": _dump(redis_service),
         f"{base}/region.yaml": _dump(*patches),
+        f"{base}/kafkausers.yaml": _dump(*kafka_users(settings, region)),
         f"overlays/{region}-gpu/kustomization.yaml": _dump(gpu),
     }
 
@@ -322,10 +480,12 @@ def render(inputs: K8sInputs) -> dict[str, str]:
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
-                "resources": ["../../base/central"],
+                "namespace": CENTRAL_NAMESPACE,
+                "resources": ["../../base/central", "kafkausers.yaml"],
                 "images": [{"name": "edgefeed", "newName": "edgefeed", "newTag": inputs.image_tag}],
             }
         ),
+        "overlays/central/kafkausers.yaml": _dump(*kafka_users(inputs.settings)),
     }
     for region in inputs.settings.region_names:
         files.update(_region_files(inputs, region))
