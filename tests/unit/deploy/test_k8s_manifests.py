@@ -256,7 +256,13 @@ def test_every_object_validates(rendered: dict[str, list[dict[str, Any]]]) -> No
         kinds.add(doc["kind"])
         errors = validation_errors(doc)
         assert not errors, f"{overlay}: {doc['kind']}/{doc['metadata']['name']}: {errors}"
-    assert {"ScaledObject", "PrometheusRule", "ServiceMonitor", "NetworkPolicy"} <= kinds
+    assert {
+        "ScaledObject",
+        "PrometheusRule",
+        "ServiceMonitor",
+        "NetworkPolicy",
+        "KafkaUser",
+    } <= kinds
 
 
 @pytest.mark.parametrize(
@@ -295,6 +301,41 @@ def test_every_object_validates(rendered: dict[str, list[dict[str, Any]]]) -> No
                 },
             },
             "lagThreshold",
+        ),
+        (
+            {
+                "apiVersion": "kafka.strimzi.io/v1beta2",
+                "kind": "KafkaUser",
+                "metadata": {"name": "x"},
+                "spec": {
+                    "authentication": {"type": "tls"},
+                    "authorization": {
+                        "type": "simple",
+                        "acls": [
+                            {
+                                "resource": {"type": "topic", "name": "t", "patterType": "prefix"},
+                                "operations": ["Write"],
+                            }
+                        ],
+                    },
+                },
+            },
+            "patterType",
+        ),
+        (
+            {
+                "apiVersion": "kafka.strimzi.io/v1beta2",
+                "kind": "KafkaUser",
+                "metadata": {"name": "x"},
+                "spec": {
+                    "authentication": {"type": "tls"},
+                    "authorization": {
+                        "type": "simple",
+                        "acls": [{"resource": {"type": "topic"}, "operations": ["Wrote"]}],
+                    },
+                },
+            },
+            "Wrote",
         ),
     ],
 )
@@ -814,3 +855,255 @@ def test_the_deploy_command_writes_then_checks(tmp_path: Path) -> None:
     )
     fresh = runner.invoke(app, [*base, "--check"])
     assert fresh.exit_code == 0 and "up to date" in fresh.output
+
+
+# -- Kafka ACLs: the router is the only writer of the regional topics -------------
+
+#: Operations that imply another (Kafka's authorizer: Read, Write, Delete or Alter
+#: imply Describe; AlterConfigs implies DescribeConfigs; All implies everything).
+_IMPLIES = {
+    "Describe": {"Read", "Write", "Delete", "Alter"},
+    "DescribeConfigs": {"AlterConfigs"},
+}
+
+
+def _acl_matches(acl: Mapping[str, Any], kind: str, name: str, operation: str) -> bool:
+    resource = acl["resource"]
+    if resource["type"] != kind:
+        return False
+    wanted = resource.get("name", "*")
+    if resource.get("patternType", "literal") == "prefix":
+        named = name.startswith(wanted)
+    else:
+        named = wanted in {name, "*"}
+    ops = set(acl.get("operations", [])) | ({acl["operation"]} if "operation" in acl else set())
+    return named and bool(ops & {operation, "All", *_IMPLIES.get(operation, set())})
+
+
+def kafka_allows(user: Mapping[str, Any], kind: str, name: str, operation: str) -> bool:
+    """Whether a KafkaUser's simple ACLs let it do ``operation`` on a resource, as
+    Kafka's StandardAuthorizer decides: a matching deny wins, else a matching allow."""
+    acls = user["spec"].get("authorization", {}).get("acls", [])
+    hits = [a for a in acls if _acl_matches(a, kind, name, operation)]
+    return bool(hits) and not any(a.get("type", "allow") == "deny" for a in hits)
+
+
+def kafka_users(rendered: Mapping[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every KafkaUser of the cluster (central and the CPU overlays), by principal name."""
+    out: dict[str, dict[str, Any]] = {}
+    for overlay, docs in rendered.items():
+        if overlay.endswith("-gpu"):
+            continue  # the same namespace and objects as its CPU overlay
+        for doc in docs:
+            if doc["kind"] == "KafkaUser":
+                name = doc["metadata"]["name"]
+                assert name not in out, f"two KafkaUsers {name}: one principal, two roles"
+                out[name] = doc
+    return out
+
+
+def kafka_identities(
+    rendered: Mapping[str, list[dict[str, Any]]],
+) -> dict[tuple[str, str, str], set[str]]:
+    """(overlay, namespace, workload) -> the KafkaUsers whose Secret its pods mount."""
+    users = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for docs in rendered.values()
+        for d in docs
+        if d["kind"] == "KafkaUser"
+    }
+    out: dict[tuple[str, str, str], set[str]] = {}
+    for overlay, doc in objects(rendered):
+        spec = pod_specs(doc)
+        if spec is None:
+            continue
+        ns = doc["metadata"]["namespace"]
+        mounted = set()
+        for volume in spec.get("volumes", []):
+            sources = [{"secret": volume["secret"]}] if "secret" in volume else []
+            sources += volume.get("projected", {}).get("sources", [])
+            for source in sources:
+                secret = source.get("secret", {})
+                name = secret.get("name") or secret.get("secretName")
+                if (ns, name) in users:
+                    mounted.add(name)
+        out[(overlay, ns, doc["metadata"]["name"])] = mounted
+    return out
+
+
+def regional_writers(
+    rendered: Mapping[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> dict[str, set[str]]:
+    """Region -> the workloads whose principal may Write its regional topic."""
+    users = kafka_users(rendered)
+    identities = {
+        (ns, name): found
+        for (overlay, ns, name), found in kafka_identities(rendered).items()
+        if not overlay.endswith("-gpu")
+    }
+    out = {}
+    for region in settings.region_names:
+        topic = settings.pipeline.region_topic(region)
+        principals = {n for n, u in users.items() if kafka_allows(u, "topic", topic, "Write")}
+        workloads = {
+            f"{ns}/{name}" for (ns, name), found in identities.items() if found & principals
+        }
+        # A principal no pod mounts still counts: anyone holding its certificate writes.
+        out[region] = workloads | {
+            f"KafkaUser/{n}" for n in principals - set().union(*identities.values())
+        }
+    return out
+
+
+def test_the_router_alone_writes_the_regional_topics(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    writers = regional_writers(rendered, settings)
+    assert set(writers) == set(settings.region_names)
+    for region, found in writers.items():
+        assert found == {"edgefeed/router"}, f"{settings.pipeline.region_topic(region)}: {found}"
+
+
+def test_the_writers_check_sees_a_prefix_acl(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    """A worker given Write on the topics' shared prefix becomes a writer of every region."""
+    region = settings.region_names[0]
+    loose = {k: yaml.safe_load(yaml.safe_dump(v)) for k, v in rendered.items()}
+    worker = next(
+        d for d in loose[region] if d["kind"] == "KafkaUser" and "worker" in d["metadata"]["name"]
+    )
+    worker["spec"]["authorization"]["acls"].append(
+        {
+            "resource": {"type": "topic", "name": "edgefeed.", "patternType": "prefix"},
+            "operations": ["All"],
+        }
+    )
+    writers = regional_writers(loose, settings)
+    for other in settings.region_names:
+        assert f"edgefeed-{region}/feature-worker" in writers[other]
+    # A deny on the same topics takes it back (Kafka: deny wins).
+    deny = {"type": "topic", "name": "edgefeed.region.", "patternType": "prefix"}
+    worker["spec"]["authorization"]["acls"].append(
+        {"type": "deny", "resource": deny, "operations": ["Write"]}
+    )
+    assert regional_writers(loose, settings) == regional_writers(rendered, settings)
+
+
+def test_a_region_reads_only_its_own_topic(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    """Every principal of a region's namespace (its workers', its exporter's) reads its
+    own regional topic at most; the feature workers read it and their group."""
+    users = {
+        d["metadata"]["name"]: (d["metadata"]["namespace"], d)
+        for region in settings.region_names
+        for d in rendered[region]
+        if d["kind"] == "KafkaUser"
+    }
+    names = settings.pipeline.names
+    for region in settings.region_names:
+        ns = k8s.region_namespace(region)
+        mine = {n: u for n, (where, u) in users.items() if where == ns}
+        assert mine, region
+        for other in settings.region_names:
+            topic = names.region_topic(other)
+            for name, user in mine.items():
+                if other != region:
+                    assert not kafka_allows(user, "topic", topic, "Read"), (name, topic)
+                    assert not kafka_allows(user, "group", names.region_group(other), "Read")
+                assert not kafka_allows(user, "topic", topic, "Write"), (name, topic)
+        worker = mine[k8s.kafka_user_name("feature-worker", region)]
+        assert kafka_allows(worker, "topic", names.region_topic(region), "Read")
+        assert kafka_allows(worker, "group", names.region_group(region), "Read")
+        assert kafka_allows(worker, "topic", names.changelog_topic(region), "Write")
+        assert kafka_allows(worker, "topic", names.region_dead_letter_topic(region), "Write")
+        # No state or dead letter of another region, not even the central dead letters.
+        assert not kafka_allows(worker, "topic", names.dead_letter_topic, "Write")
+        for other in set(settings.region_names) - {region}:
+            assert not kafka_allows(worker, "topic", names.changelog_topic(other), "Read")
+            assert not kafka_allows(worker, "topic", names.region_dead_letter_topic(other), "Read")
+
+
+def test_the_roles_have_what_they_need(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    users = kafka_users(rendered)
+    names = settings.pipeline.names
+    router = users[k8s.kafka_user_name("router")]
+    for source in settings.sources:
+        for table in source.tables:
+            topic = f"{source.effective_topic_prefix}.{table.name}"
+            assert kafka_allows(router, "topic", topic, "Read"), topic
+            assert kafka_allows(users[k8s.kafka_user_name("connect")], "topic", topic, "Write")
+            assert not kafka_allows(router, "topic", topic, "Write"), topic
+    for topic in [
+        names.homes_changelog_topic,
+        names.history_topic,
+        *names.dead_letter_topics(settings.region_names),
+    ]:
+        assert kafka_allows(router, "topic", topic, "Write"), topic
+    assert kafka_allows(router, "group", names.router_group, "Read")
+    exporter = users[k8s.kafka_user_name("exporter")]
+    assert kafka_allows(exporter, "group", names.region_group(settings.region_names[0]), "Describe")
+    assert not any(
+        kafka_allows(user, "cluster", "kafka-cluster", op)
+        for user in users.values()
+        for op in ("Alter", "AlterConfigs", "ClusterAction")
+    )
+
+
+def test_every_kafka_client_mounts_one_certificate(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Pods labelled as Kafka clients mount the Secret of exactly one KafkaUser of their
+    namespace, at the one path the settings' kafka.security names; no other pod mounts
+    one; every KafkaUser has its pods (no certificate made for nobody)."""
+    identities = kafka_identities(rendered)
+    used = set()
+    for overlay, doc in objects(rendered):
+        spec = pod_specs(doc)
+        if spec is None:
+            continue
+        key = (overlay, doc["metadata"]["namespace"], doc["metadata"]["name"])
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        found = identities[key]
+        if labels.get("edgefeed.io/kafka-client") != "true":
+            assert not found, f"{key}: mounts {found} but is no Kafka client"
+            continue
+        assert len(found) == 1, f"{key}: {found}"
+        used |= {(key[1], name) for name in found}
+        mounts = {
+            m["mountPath"]: m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])
+        }
+        volume = mounts.get(k8s.KAFKA_CERT_DIR)
+        assert volume, f"{key}: nothing at {k8s.KAFKA_CERT_DIR}"
+        (vol,) = [v for v in spec["volumes"] if v["name"] == volume]
+        paths = {
+            item["path"]
+            for source in vol["projected"]["sources"]
+            for item in source["secret"]["items"]
+        }
+        assert paths == {"user.crt", "user.key", "ca.crt"}, key
+    declared = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for docs in rendered.values()
+        for d in docs
+        if d["kind"] == "KafkaUser"
+    }
+    assert declared == used
+
+
+def test_the_settings_can_name_the_mounted_certificate() -> None:
+    """kafka.security with mutual TLS names the files every Kafka client pod mounts."""
+    from pipeline.settings import KafkaSecuritySettings
+
+    cert_dir = Path(k8s.KAFKA_CERT_DIR)
+    security = KafkaSecuritySettings(
+        protocol="SSL",
+        ca_file=cert_dir / "ca.crt",
+        cert_file=cert_dir / "user.crt",
+        key_file=cert_dir / "user.key",
+    )
+    props = security.java_properties()
+    assert props["ssl.truststore.location"] == f"{k8s.KAFKA_CERT_DIR}/ca.crt"
