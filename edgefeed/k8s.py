@@ -127,7 +127,7 @@ def _acl(
 ) -> dict[str, object]:
     return {
         "resource": {"type": kind, "name": name, "patternType": pattern},
-        "operations": operations,
+        "operations": list(operations),  # a copy: no YAML anchors in the output
         "host": "*",
     }
 
