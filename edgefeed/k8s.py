@@ -165,6 +165,14 @@ def kafka_users(settings: EdgefeedSettings, region: str | None = None) -> list[d
     """
     names = settings.pipeline.names
     sources = [f"{source.effective_topic_prefix}." for source in settings.sources]
+    regional = f"{names.region_topic_prefix}."
+    for prefix in sources:
+        if prefix.startswith(regional) or regional.startswith(prefix):
+            # Connect's Write on its source topics would cover the regional topics.
+            raise SettingsError(
+                f"a source's topic prefix {prefix[:-1]!r} overlaps the regional topics' "
+                f"{names.region_topic_prefix!r}: Kafka Connect could write a region's topic"
+            )
     if region is None:
         router = [
             *(_acl("topic", prefix, _CONSUME, "prefix") for prefix in sources),
@@ -461,7 +469,8 @@ def render(inputs: K8sInputs) -> dict[str, str]:
     Raises:
         SettingsError: the settings hold a secret other than as a file (it
             would land in a ConfigMap), a region's Redis host cannot be a
-            Service name, or the alert rules have no groups.
+            Service name, a source's topics would fall under the regional
+            topics' prefix, or the alert rules have no groups.
     """
     secrets = inline_secrets(yaml.safe_load(inputs.settings_text))
     if secrets:
