@@ -4,15 +4,17 @@ Every overlay is rendered by ``kubectl kustomize`` (the machine image ships
 kubectl 1.32) and then:
 
 - every object validates against the Kubernetes 1.32 schema (kubernetes-validate,
-  strict: an unknown field fails), and KEDA's and the Prometheus operator's
-  custom resources against the schemas shipped in deploy/k8s/schemas;
+  strict: an unknown field fails), and KEDA's, the Prometheus operator's and
+  Strimzi's custom resources against the schemas shipped in deploy/k8s/schemas;
 - checkov passes, with the checks it skips justified below or in the
   manifest's own ``checkov.io/skip`` annotations;
 - the invariants that matter are read from the rendered objects: no regional
   worker beyond its topic's partitions, each Redis reachable only from its own
   region (the NetworkPolicies evaluated as a graph), every container confined
   and bounded, no secret in plain text, every command line accepted by the
-  CLI it runs;
+  CLI it runs, the router the only principal the Kafka ACLs (Strimzi
+  KafkaUsers) let write a regional topic, and each Kafka client pod with the
+  certificate of exactly one KafkaUser;
 - the settings file drives both the manifests (``edgefeed deploy k8s``) and
   docker-compose.yml: a region added to it and not to them fails here.
 """
@@ -38,7 +40,7 @@ import yaml
 from edgefeed import __version__ as VERSION
 from edgefeed import k8s
 from edgefeed.cli import app
-from edgefeed.settings import EdgefeedSettings, load_settings
+from edgefeed.settings import EdgefeedSettings, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
@@ -1107,3 +1109,18 @@ def test_the_settings_can_name_the_mounted_certificate() -> None:
     )
     props = security.java_properties()
     assert props["ssl.truststore.location"] == f"{k8s.KAFKA_CERT_DIR}/ca.crt"
+    # The gap docs/deploy.md names: Java's PEM key store is one file (key and
+    # chain), Strimzi's Secret keeps them apart, so Connect cannot use these yet.
+    assert props["ssl.keystore.location"] == f"{k8s.KAFKA_CERT_DIR}/user.crt"
+    assert not any("user.key" in value for value in props.values())
+
+
+@pytest.mark.parametrize("prefix", ["edgefeed.region", "edgefeed.region.shop", "edgefeed"])
+def test_a_source_prefix_over_the_regional_topics_is_refused(prefix: str) -> None:
+    """Connect's Write on its source topics' prefix would make it a regional writer."""
+    text = SETTINGS.read_text(encoding="utf-8")
+    source = "  - name: shop "
+    assert source in text
+    text = text.replace(source, f"  - topic_prefix: {prefix}\n    name: shop ", 1)
+    with pytest.raises(SettingsError, match="overlaps the regional topics"):
+        k8s.render(_inputs(text))
