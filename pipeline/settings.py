@@ -435,6 +435,14 @@ class KafkaSecuritySettings(PasswordFields):
         ca_file: PEM bundle that signed the brokers' certificates (None: the
             system's trust store).
         cert_file: Client certificate for mutual TLS; ``key_file`` its key.
+        keystore_file: The same certificate and key as a PKCS12 key store, for
+            the Java clients (Kafka Connect): Kafka's Java client reads its
+            certificate from a key store, not from two PEM files (Strimzi's
+            KafkaUser Secret holds it as ``user.p12``). The Python clients use
+            ``cert_file`` and ``key_file``.
+        keystore_password_file: The file holding the key store's password
+            (Strimzi's ``user.password``); the Java properties name it by a
+            config provider reference, never by its value.
         check_hostname: Check the broker's name against its certificate.
     """
 
@@ -447,6 +455,8 @@ class KafkaSecuritySettings(PasswordFields):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+    keystore_file: Path | None = None
+    keystore_password_file: Path | None = None
     check_hostname: bool = True
 
     @model_validator(mode="after")
@@ -464,12 +474,17 @@ class KafkaSecuritySettings(PasswordFields):
                 f"kafka.security has SASL credentials but protocol {self.protocol}; "
                 "use SASL_SSL (or SASL_PLAINTEXT)"
             )
-        if not tls and (self.ca_file or self.cert_file or self.key_file):
+        tls_files = (self.ca_file, self.cert_file, self.key_file, self.keystore_file)
+        if not tls and any(tls_files):
             raise ValueError(
                 f"kafka.security has TLS files but protocol {self.protocol}; use SSL or SASL_SSL"
             )
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("kafka.security needs both cert_file and key_file (or neither)")
+        if (self.keystore_file is None) != (self.keystore_password_file is None):
+            raise ValueError(
+                "kafka.security needs both keystore_file and keystore_password_file (or neither)"
+            )
         return self
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -517,6 +532,11 @@ class KafkaSecuritySettings(PasswordFields):
     def java_properties(self, password_reference: str | None = None) -> dict[str, str]:
         """Java client properties (the Kafka Connect worker and its connectors' clients).
 
+        With ``keystore_file`` the client presents that PKCS12 key store, its
+        password given as ``${dir:<folder>:<file>}`` of ``keystore_password_file``:
+        the worker needs the DirectoryConfigProvider ``dir`` allowed that folder
+        (the properties hold no secret).
+
         Args:
             password_reference: What the JAAS config holds for the password: a
                 config provider reference (``${dir:/run/secrets:kafka}``) so the
@@ -529,7 +549,14 @@ class KafkaSecuritySettings(PasswordFields):
             if self.ca_file is not None:
                 props["ssl.truststore.type"] = "PEM"
                 props["ssl.truststore.location"] = str(self.ca_file)
-            if self.cert_file is not None and self.key_file is not None:
+            if self.keystore_file is not None and self.keystore_password_file is not None:
+                password_file = self.keystore_password_file
+                props["ssl.keystore.type"] = "PKCS12"
+                props["ssl.keystore.location"] = str(self.keystore_file)
+                props["ssl.keystore.password"] = (
+                    f"${{dir:{password_file.parent}:{password_file.name}}}"
+                )
+            elif self.cert_file is not None and self.key_file is not None:
                 # Kafka reads a PEM key store as one file: certificate chain then key.
                 props["ssl.keystore.type"] = "PEM"
                 props["ssl.keystore.location"] = str(self.cert_file)

@@ -95,9 +95,33 @@ def test_tls_only_uses_ssl_credentials(ca: Path) -> None:
     assert "sasl.jaas.config" not in security.java_properties()
 
 
+def test_a_java_key_store_is_named_with_its_password_as_a_reference(ca: Path) -> None:
+    """Kafka Connect presents the PKCS12 key store; its password stays in its file."""
+    security = KafkaSecuritySettings(
+        protocol="SSL",
+        ca_file=ca,
+        cert_file=Path("/run/secrets/kafka/user.crt"),
+        key_file=Path("/run/secrets/kafka/user.key"),
+        keystore_file=Path("/run/secrets/kafka/user.p12"),
+        keystore_password_file=Path("/run/secrets/kafka/user.password"),
+    )
+    props = security.java_properties()
+    for prefix in ("", "producer.", "consumer.", "admin."):
+        assert props[f"{prefix}security.protocol"] == "SSL"
+        assert props[f"{prefix}ssl.keystore.type"] == "PKCS12"
+        assert props[f"{prefix}ssl.keystore.location"] == "/run/secrets/kafka/user.p12"
+        assert props[f"{prefix}ssl.keystore.password"] == "${dir:/run/secrets/kafka:user.password}"
+        assert props[f"{prefix}ssl.truststore.location"] == str(ca)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
+        ({"protocol": "SSL", "keystore_file": "/k.p12"}, "both keystore_file and"),
+        (
+            {"protocol": "PLAINTEXT", "keystore_file": "/k.p12", "keystore_password_file": "/pw"},
+            "TLS files",
+        ),
         ({"protocol": "SASL_SSL", "username": "u", "password": "p"}, "needs sasl_mechanism"),
         ({"protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "username": "u"}, "exactly one"),
         ({"protocol": "PLAINTEXT", "username": "u", "password": "p"}, "use SASL_SSL"),
