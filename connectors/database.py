@@ -19,6 +19,7 @@ from connectors.secrets import redact
 from connectors.settings import DatabaseSettings, SourceSettings, TableSettings
 
 __all__ = [
+    "COMMIT_MS",
     "check_sources",
     "drop_slot",
     "prepare_database",
@@ -36,6 +37,9 @@ _SIGNAL_DDL = (
     "CREATE TABLE IF NOT EXISTS {} "
     "(id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
 )
+
+
+COMMIT_MS = "__edgefeed_commit_ms"  # read_rows(commit_times=True): the row's commit time
 
 
 def _signal_identifier(source: SourceSettings) -> sql.Identifier:
@@ -242,15 +246,25 @@ def table_columns(database: DatabaseSettings, tables: Sequence[str]) -> dict[str
 
 
 def read_rows(
-    database: DatabaseSettings, tables: Sequence[TableSettings]
+    database: DatabaseSettings, tables: Sequence[TableSettings], *, commit_times: bool = False
 ) -> dict[str, list[dict[str, Any]]]:
     """The current rows of each table (captured columns only), in key order.
+
+    Args:
+        commit_times: Add to each row, under :data:`COMMIT_MS`, the commit time of its
+            current version in milliseconds (``pg_xact_commit_timestamp(xmin)``), or
+            None where the server does not know it (``track_commit_timestamp`` off, or
+            a row committed before it was turned on).
 
     Raises:
         SourceValidationError: the database cannot be reached.
     """
     result: dict[str, list[dict[str, Any]]] = {}
     with _connect(database) as conn:
+        tracked = False
+        if commit_times:
+            setting = conn.execute("SHOW track_commit_timestamp").fetchone()
+            tracked = bool(setting and str(setting[0]) == "on")
         for table in tables:
             columns = [
                 str(r[0])
@@ -264,13 +278,24 @@ def read_rows(
             if not columns:
                 result[table.name] = []
                 continue
+            selected: list[sql.Composable] = [sql.Identifier(c) for c in columns]
+            names = list(columns)
+            if commit_times:
+                selected.append(
+                    sql.SQL(
+                        "(extract(epoch FROM pg_xact_commit_timestamp(xmin)) * 1000)::bigint"
+                        if tracked
+                        else "NULL::bigint"
+                    )
+                )
+                names.append(COMMIT_MS)
             query = sql.SQL("SELECT {} FROM {} ORDER BY {}").format(
-                sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+                sql.SQL(", ").join(selected),
                 sql.Identifier(table.schema_name, table.table_name),
                 sql.SQL(", ").join(sql.Identifier(c) for c in table.key),
             )
             result[table.name] = [
-                dict(zip(columns, row, strict=True)) for row in conn.execute(query).fetchall()
+                dict(zip(names, row, strict=True)) for row in conn.execute(query).fetchall()
             ]
     return result
 

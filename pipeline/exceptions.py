@@ -11,6 +11,7 @@ __all__ = [
     "PoisonEventError",
     "SinkUnavailableError",
     "StateStoreError",
+    "TrainingSetError",
 ]
 
 
@@ -57,3 +58,10 @@ class StateStoreError(PipelineError):
     consuming and acks nothing until it can write again: no change is lost."""
 
     retryable = True
+
+
+class TrainingSetError(PipelineError, ValueError):
+    """A point-in-time training set cannot be built from what it was given (pipeline.training):
+    a spine without the entity or time column, naive timestamps, a feature-set version the
+    settings no longer define, an entity type not declared. The message names the column or
+    version and the fix. Not retryable: fix the spine or the command."""

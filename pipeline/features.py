@@ -726,6 +726,18 @@ class EntityEngine:
                 values[name] = None
         return values
 
+    def served(self, state: Mapping[str, Any]) -> bool:
+        """Whether the cache holds a vector for the state (False: the write is a delete):
+        a removed entity with no live row left, or a personal entity whose own row is
+        gone or not seen yet, is not served."""
+        if state.get("gone") is not None and not any(
+            not e[_DEL] for rows in state["rows"].values() for e in rows.values()
+        ):
+            return False
+        return not self.own_tables or any(
+            not e[_DEL] for table in self.own_tables for e in state["rows"].get(table, {}).values()
+        )
+
     def write_op(
         self, entity_id: Any, state: Mapping[str, Any], now_ms: int | None = None
     ) -> Upsert | Delete:
@@ -733,13 +745,7 @@ class EntityEngine:
         (default: the wall clock), or a delete once the entity is gone."""
         position = Position(int(state["lsn"]), int(state["rev"]))
         commit_s = int(state["ts"]) / 1000.0
-        if state.get("gone") is not None and not any(
-            not e[_DEL] for rows in state["rows"].values() for e in rows.values()
-        ):
-            return Delete(self.schema.entity, entity_id, position, commit_s)
-        if self.own_tables and not any(
-            not e[_DEL] for table in self.own_tables for e in state["rows"].get(table, {}).values()
-        ):
+        if not self.served(state):
             return Delete(self.schema.entity, entity_id, position, commit_s)
         if now_ms is None:
             now_ms = int(time.time() * 1000)

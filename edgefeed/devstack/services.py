@@ -285,6 +285,9 @@ class PostgresService(Service):
             "wal_level": "logical",
             "max_wal_senders": "10",
             "max_replication_slots": "10",
+            # Commit times of current row versions: point-in-time training sets read them
+            # (pipeline.training, docs/training.md).
+            "track_commit_timestamp": "on",
             # Development only: the stack is disposable, speed matters more than durability.
             "fsync": "off",
             "full_page_writes": "off",
