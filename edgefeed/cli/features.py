@@ -183,6 +183,67 @@ def apply_cmd(
         console.print("nothing to change")
 
 
+@features_app.command("history")
+def history_cmd(
+    ctx: typer.Context,
+    entity: Annotated[str, typer.Option(help="Entity type (e.g. user).")],
+    spine: Annotated[
+        Path, typer.Option(help="Parquet file: entity id, read time (with a zone), labels.")
+    ],
+    out: Annotated[Path, typer.Option(help="Parquet file to write the training set to.")],
+    entity_column: Annotated[
+        str | None,
+        typer.Option(help="The spine's entity id column (default: the entity's id column)."),
+    ] = None,
+    time_column: Annotated[
+        str, typer.Option(help="The spine's read-time column (timestamp with a time zone).")
+    ] = "timestamp",
+    region: Annotated[
+        str | None,
+        typer.Option(help="The region whose vectors to give (needed for a shared entity)."),
+    ] = None,
+    version: Annotated[
+        int | None,
+        typer.Option(help="The feature-set version expected (refused if no longer defined)."),
+    ] = None,
+    batch_rows: Annotated[int, typer.Option(min=1, help="Spine rows per batch.")] = 65_536,
+    as_json: JsonFlag = False,
+) -> None:
+    """The features as of each spine row's read time (a point-in-time training set)."""
+    from edgefeed.training import build_training_set
+
+    settings = settings_of(ctx)
+    report = run_reported(
+        lambda: build_training_set(
+            settings,
+            entity,
+            spine,
+            out,
+            entity_column=entity_column,
+            time_column=time_column,
+            region=region,
+            version=version,
+            batch_rows=batch_rows,
+        )
+    )
+    if as_json:
+        summary = {
+            "out": str(report.out),
+            "rows": report.rows,
+            "entity": report.entity,
+            "version": report.version,
+            "notes": report.notes,
+        }
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    console.print(
+        f"wrote {report.rows} rows of {report.entity} v{report.version} to {report.out}",
+        highlight=False,
+    )
+    for note in report.notes:
+        console.print(f"not exact: {note}", highlight=False, markup=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``edgefeed features`` to the root app."""
     app.add_typer(features_app, name="features")

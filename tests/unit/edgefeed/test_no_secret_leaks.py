@@ -74,6 +74,7 @@ COMMANDS = {
     "connectors snapshot",
     "features plan",
     "features apply",
+    "features history",
     "pipeline run",
     "pipeline verify",
     "cache get",
@@ -291,6 +292,9 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     token_file = tmp_path / "worker-token"
     token_file.write_text(WORKER_TOKEN + "\n")
     token_env = (("EDGEFEED_WORKERS_AUTH_TOKEN", WORKER_TOKEN),)
+    spine = tmp_path / "spine.parquet"
+    spine.write_bytes(b"")  # a file: the command goes on to the (unreachable) database
+    history = ("--spine", str(spine), "--out", str(tmp_path / "train.parquet"))
     cases = [
         Case(inline, ("lag", "--samples", "1", "--interval", "0.1")),
         Case(env_file, ("lag", "--json", "--samples", "1", "--interval", "0.1")),
@@ -385,6 +389,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(inline, ("deploy", "k8s", "--out", str(tmp_path / "k8s"))),
         Case(remote, ("deploy", "k8s", "--check", "--out", str(tmp_path / "k8s"))),
         Case(env_file, ("features", "apply", "--json", "--wait", "0"), in_process=True),
+        Case(env_file, ("features", "history", "--entity", "user", *history), in_process=True),
         Case(inline, ("demo", "load", "--duration", "1")),
         Case(env_file, ("demo", "load", "--duration", "1"), in_process=True),
         Case(remote, ("demo", "run", *state)),
