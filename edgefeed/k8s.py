@@ -4,9 +4,12 @@ deploy/k8s holds a kustomize base per namespace kind (``base/central``,
 ``base/region``, the shared ``base/common`` component) written by hand, and
 the parts that follow from the settings, written here:
 
-- ``base/common/edgefeed.yaml``: the settings file itself, byte for byte (the
-  pods read it from the ConfigMap ``edgefeed-settings``); the compose stack
-  reads the same file (deploy/edgefeed.compose.yaml).
+- ``base/common/edgefeed.yaml``: the settings file the compose stack reads
+  (deploy/edgefeed.compose.yaml), its text kept but for the ``kafka:`` block,
+  which takes Kubernetes' Kafka connection (:func:`kubernetes_settings_text`):
+  the Strimzi cluster's bootstrap Service and mutual TLS with the certificate
+  every Kafka client pod mounts at :data:`KAFKA_CERT_DIR` (the pods read it
+  from the ConfigMap ``edgefeed-settings``).
 - ``base/central/prometheusrule.yaml`` (deploy/prometheus/alerts.yml as a
   PrometheusRule, for the Prometheus operator), ``base/central/alerts.yml``
   (the same file, as the ConfigMap ``edgefeed-prometheus-rules`` for a
@@ -21,7 +24,13 @@ the parts that follow from the settings, written here:
 - ``overlays/central/kafkausers.yaml`` and ``overlays/<region>/kafkausers.yaml``:
   a Strimzi ``KafkaUser`` per role that talks to Kafka (mutual TLS, simple
   ACLs), with the topic and group names of the settings: the router alone may
-  write the regional topics (:func:`kafka_users`).
+  write the regional topics (:func:`kafka_users`); KEDA's Kafka scaler has its
+  own per region, which it presents through the TriggerAuthentication of
+  ``overlays/<region>/keda.yaml``.
+- ``overlays/central/kafka.yaml``: the ``kafka`` volume of the central Kafka
+  clients (their KafkaUser's certificate, key and key store, the cluster CA)
+  and Kafka Connect's client settings (``CONNECT_*``: the same mutual TLS,
+  from :meth:`KafkaSecuritySettings.java_properties`).
 
 :func:`render` is pure: it maps the inputs to ``{relative path: text}``;
 ``edgefeed deploy k8s`` writes the files or, with ``--check``, reports the
@@ -42,17 +51,24 @@ import yaml
 
 from connectors.secrets import is_secret_key, url_secrets
 from edgefeed.settings import EdgefeedSettings, SettingsError
+from pipeline.settings import KafkaSecuritySettings
 
 __all__ = [
     "CENTRAL_NAMESPACE",
     "GENERATED_NOTE",
+    "KAFKA_BOOTSTRAP",
     "KAFKA_CERT_DIR",
     "KAFKA_CLUSTER",
+    "KAFKA_FILES",
+    "KEDA_KAFKA_AUTH",
     "K8sInputs",
+    "connect_env",
     "diff",
     "inline_secrets",
+    "kafka_security",
     "kafka_user_name",
     "kafka_users",
+    "kubernetes_settings_text",
     "region_namespace",
     "render",
     "write",
@@ -66,6 +82,84 @@ KAFKA_CLUSTER = "edgefeed"
 #: Where every Kafka client pod finds its certificate, key and the cluster CA
 #: (``kafka.security``'s cert_file, key_file and ca_file point here).
 KAFKA_CERT_DIR = "/run/secrets/kafka"
+#: The Strimzi cluster's bootstrap Service, by a name that resolves from any
+#: namespace (KEDA's too) and that Strimzi writes into the brokers' certificates;
+#: its TLS listener with client authentication is on 9092, the port the
+#: NetworkPolicies open to the ``kafka`` namespace.
+KAFKA_BOOTSTRAP = f"{KAFKA_CLUSTER}-kafka-bootstrap.kafka.svc:9092"
+#: What the ``kafka`` volume holds, by file name: (Secret, key in it). ``None``
+#: names the pod's own KafkaUser Secret (``user.p12`` and ``user.password``:
+#: the same certificate and key as a PKCS12 key store, for Kafka Connect).
+KAFKA_FILES: dict[str, tuple[str | None, str]] = {
+    "user.crt": (None, "user.crt"),
+    "user.key": (None, "user.key"),
+    "user.p12": (None, "user.p12"),
+    "user.password": (None, "user.password"),
+    "ca.crt": (f"{KAFKA_CLUSTER}-cluster-ca-cert", "ca.crt"),
+}
+
+
+def kafka_security() -> dict[str, str]:
+    """``kafka.security`` of the pods: mutual TLS with the mounted KafkaUser certificate.
+
+    The Python clients present ``user.crt`` and ``user.key``, Kafka Connect the
+    same pair as the key store ``user.p12``; all trust the cluster CA.
+    """
+    return {
+        "protocol": "SSL",
+        "ca_file": f"{KAFKA_CERT_DIR}/ca.crt",
+        "cert_file": f"{KAFKA_CERT_DIR}/user.crt",
+        "key_file": f"{KAFKA_CERT_DIR}/user.key",
+        "keystore_file": f"{KAFKA_CERT_DIR}/user.p12",
+        "keystore_password_file": f"{KAFKA_CERT_DIR}/user.password",
+    }
+
+
+_SETTINGS_NOTE = (
+    "# deploy/edgefeed.compose.yaml (the compose stack's settings, PLAINTEXT to its local\n"
+    "# broker) with Kubernetes' Kafka connection in `kafka:`: the Strimzi cluster's\n"
+    "# bootstrap Service and mutual TLS with the KafkaUser certificate every Kafka\n"
+    f'# client pod mounts at {KAFKA_CERT_DIR} (docs/deploy.md, "Kafka ACLs").\n'
+)
+
+
+def kubernetes_settings_text(text: str) -> str:
+    """The settings the pods read: ``text`` with its ``kafka:`` block for Kubernetes.
+
+    Everything but the top-level ``kafka:`` block is kept as written (comments
+    too); the block keeps its keys but ``bootstrap_servers`` (:data:`KAFKA_BOOTSTRAP`)
+    and ``security`` (:func:`kafka_security`, replacing any given).
+
+    Raises:
+        SettingsError: the text is no mapping, or its ``kafka:`` block could not
+            be told apart from the rest (the result is checked by parsing it).
+    """
+    raw = yaml.safe_load(text)
+    if not isinstance(raw, dict):
+        raise SettingsError("the settings file must hold a mapping at the top level")
+    given = raw.get("kafka") or {}
+    if not isinstance(given, dict):
+        raise SettingsError(f"settings key kafka must be a mapping, not {type(given).__name__}")
+    kafka = {**given, "bootstrap_servers": KAFKA_BOOTSTRAP, "security": kafka_security()}
+    block = yaml.safe_dump({"kafka": kafka}, sort_keys=False, width=100)
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.split(":", 1)[0].rstrip() == "kafka"]
+    if starts:
+        start = starts[0]
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i][:1] not in ("", " ", "\t", "\n")),
+            len(lines),
+        )
+        body = [*lines[:start], block, "\n" if end < len(lines) else "", *lines[end:]]
+    else:
+        body = [block, "\n", *lines]
+    out = GENERATED_NOTE + _SETTINGS_NOTE + "".join(body)
+    if yaml.safe_load(out) != {**raw, "kafka": kafka}:
+        raise SettingsError(
+            "could not rewrite the settings' top-level kafka: block for Kubernetes; write it "
+            "as a block mapping (`kafka:` on a line of its own, its keys indented below)"
+        )
+    return out
 
 
 def region_namespace(region: str) -> str:
@@ -157,11 +251,12 @@ _CONSUME = ["Read", "Describe"]
 def kafka_users(settings: EdgefeedSettings, region: str | None = None) -> list[dict[str, object]]:
     """The KafkaUsers of the central namespace (``region=None``) or of a region's.
 
-    One principal (``User:CN=<name>``) per role whose pods talk to Kafka. The
-    router's is the only one with Write on the regional topics; a region's
-    workers read their region's topic only and write their own changelog,
-    assignor topic and dead letters (literal names: a prefix would reach a
-    region named ``eu-west-2`` from ``eu-west``).
+    One principal (``User:CN=<name>``) per role whose pods talk to Kafka, and
+    one per region for KEDA's Kafka scaler (Describe on the region's group and
+    topic). The router's is the only one with Write on the regional topics; a
+    region's workers read their region's topic only and write their own
+    changelog, assignor topic and dead letters (literal names: a prefix would
+    reach a region named ``eu-west-2`` from ``eu-west``).
     """
     names = settings.pipeline.names
     sources = [f"{source.effective_topic_prefix}." for source in settings.sources]
@@ -225,9 +320,16 @@ def kafka_users(settings: EdgefeedSettings, region: str | None = None) -> list[d
         _acl("topic", dead, _CONSUME),
         *(_acl("topic", prefix, ["Describe"], "prefix") for prefix in sources),
     ]
+    keda = [
+        # KEDA's Kafka scaler: the group's committed offsets and the topic's
+        # partitions and end offsets. Reads no record, writes nothing.
+        _acl("group", group, ["Describe"]),
+        _acl("topic", topic, ["Describe"]),
+    ]
     return [
         _kafka_user(kafka_user_name("feature-worker", region), "feature-worker", worker),
         _kafka_user(kafka_user_name("exporter", region), "exporter", exporter),
+        _kafka_user(kafka_user_name("keda", region), "keda", keda),
     ]
 
 
@@ -237,38 +339,50 @@ def kafka_user_name(role: str, region: str | None = None) -> str:
 
 
 def _kafka_volume(user: str) -> dict[str, object]:
-    """The ``kafka`` volume: the KafkaUser's certificate and key and the cluster CA."""
+    """The ``kafka`` volume: the KafkaUser's certificate, key and key store, the cluster CA."""
+    sources: dict[str, list[dict[str, str]]] = {}
+    for path, (secret, key) in KAFKA_FILES.items():
+        sources.setdefault(secret or user, []).append({"key": key, "path": path})
     return {
         "name": "kafka",
         "projected": {
             "sources": [
-                {
-                    "secret": {
-                        "name": user,
-                        "items": [
-                            {"key": "user.crt", "path": "user.crt"},
-                            {"key": "user.key", "path": "user.key"},
-                        ],
-                    }
-                },
-                {
-                    "secret": {
-                        "name": f"{KAFKA_CLUSTER}-cluster-ca-cert",
-                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
-                    }
-                },
+                {"secret": {"name": name, "items": items}} for name, items in sources.items()
             ]
         },
     }
 
 
-def _kafka_volume_patch(name: str, user: str) -> dict[str, object]:
+def _kafka_volume_patch(
+    name: str, user: str, container_env: tuple[str, list[dict[str, object]]] | None = None
+) -> dict[str, object]:
+    spec: dict[str, object] = {"volumes": [_kafka_volume(user)]}
+    if container_env is not None:
+        container, env = container_env
+        spec["containers"] = [{"name": container, "env": env}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name},
-        "spec": {"template": {"spec": {"volumes": [_kafka_volume(user)]}}},
+        "spec": {"template": {"spec": spec}},
     }
+
+
+def connect_env() -> list[dict[str, object]]:
+    """Kafka Connect's client settings, as the Debezium image takes them.
+
+    The image writes ``CONNECT_<KEY>`` (``_`` for ``.``) into the worker's
+    properties; ``BOOTSTRAP_SERVERS`` is its own. The worker, its producers
+    (the connectors' records), consumers and admin client (topic creation) all
+    use mutual TLS with the key store of :func:`kafka_security`; its password
+    is a ``${dir:...}`` reference the worker's DirectoryConfigProvider resolves
+    from the mounted file (base/central/connect.yaml allows ``/run/secrets``).
+    """
+    props = KafkaSecuritySettings.model_validate(kafka_security()).java_properties()
+    env: list[dict[str, object]] = [{"name": "BOOTSTRAP_SERVERS", "value": KAFKA_BOOTSTRAP}]
+    for key, value in props.items():
+        env.append({"name": "CONNECT_" + key.upper().replace(".", "_"), "value": value})
+    return env
 
 
 def _container_patch(kind: str, name: str, container: str, command_line: str) -> dict[str, object]:
@@ -287,15 +401,15 @@ def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
     names = pipeline.names
     namespace = region_namespace(region)
     host, port = _redis_host(region, settings.region(region).redis_url)
-    servers = settings.sites.bootstrap_of(region) or settings.kafka.bootstrap_servers
-    bootstrap = ",".join(servers)
+    # KEDA's operator resolves the name from its own namespace: the full Service name.
+    bootstrap = ",".join(settings.sites.bootstrap_of(region) or [KAFKA_BOOTSTRAP])
     partitions = pipeline.partitions
     base = f"overlays/{region}"
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "namespace": namespace,
-        "resources": ["../../base/region", "redis-service.yaml", "kafkausers.yaml"],
+        "resources": ["../../base/region", "redis-service.yaml", "kafkausers.yaml", "keda.yaml"],
         "labels": [{"pairs": {"edgefeed.io/region": region}, "includeSelectors": False}],
         "images": [{"name": "edgefeed", "newName": "edgefeed", "newTag": inputs.image_tag}],
         "patches": [{"path": "region.yaml"}],
@@ -349,6 +463,7 @@ def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
                 "triggers": [
                     {
                         "type": "kafka",
+                        "authenticationRef": {"name": KEDA_KAFKA_AUTH},
                         "metadata": {
                             "bootstrapServers": bootstrap,
                             "consumerGroup": names.region_group(region),
@@ -409,8 +524,41 @@ def _region_files(inputs: K8sInputs, region: str) -> dict[str, str]:
         f"{base}/redis-service.yaml": _dump(redis_service),
         f"{base}/region.yaml": _dump(*patches),
         f"{base}/kafkausers.yaml": _dump(*kafka_users(settings, region)),
+        f"{base}/keda.yaml": _dump(*_keda_auth(region)),
         f"overlays/{region}-gpu/kustomization.yaml": _dump(gpu),
     }
+
+
+#: The TriggerAuthentication of each region's Kafka trigger, and the ConfigMap
+#: that gives it ``tls: enable`` (TriggerAuthentication takes no literal values).
+KEDA_KAFKA_AUTH = "feature-worker-kafka"
+
+
+def _keda_auth(region: str) -> list[dict[str, object]]:
+    """KEDA's mutual TLS to Kafka: its region's KafkaUser certificate and the cluster CA."""
+    user = kafka_user_name("keda", region)
+    ca_secret, ca_key = KAFKA_FILES["ca.crt"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": KEDA_KAFKA_AUTH},
+            "data": {"tls": "enable"},
+        },
+        {
+            "apiVersion": "keda.sh/v1alpha1",
+            "kind": "TriggerAuthentication",
+            "metadata": {"name": KEDA_KAFKA_AUTH},
+            "spec": {
+                "configMapTargetRef": [{"parameter": "tls", "name": KEDA_KAFKA_AUTH, "key": "tls"}],
+                "secretTargetRef": [
+                    {"parameter": "ca", "name": ca_secret, "key": ca_key},
+                    {"parameter": "cert", "name": user, "key": "user.crt"},
+                    {"parameter": "key", "name": user, "key": "user.key"},
+                ],
+            },
+        },
+    ]
 
 
 def _model_triggers(namespace: str) -> list[dict[str, object]]:
@@ -481,7 +629,7 @@ def render(inputs: K8sInputs) -> dict[str, str]:
         )
     json.loads(inputs.dashboard_text)  # a broken dashboard fails here, not in Grafana
     files = {
-        "base/common/edgefeed.yaml": inputs.settings_text,
+        "base/common/edgefeed.yaml": kubernetes_settings_text(inputs.settings_text),
         "base/central/dashboards/edgefeed.json": inputs.dashboard_text,
         "base/central/prometheusrule.yaml": _dump(_prometheus_rule(inputs.alerts_text)),
         "base/central/alerts.yml": inputs.alerts_text,
@@ -492,9 +640,15 @@ def render(inputs: K8sInputs) -> dict[str, str]:
                 "namespace": CENTRAL_NAMESPACE,
                 "resources": ["../../base/central", "kafkausers.yaml"],
                 "images": [{"name": "edgefeed", "newName": "edgefeed", "newTag": inputs.image_tag}],
+                "patches": [{"path": "kafka.yaml"}],
             }
         ),
         "overlays/central/kafkausers.yaml": _dump(*kafka_users(inputs.settings)),
+        "overlays/central/kafka.yaml": _dump(
+            _kafka_volume_patch("router", kafka_user_name("router")),
+            _kafka_volume_patch("exporter", kafka_user_name("exporter")),
+            _kafka_volume_patch("connect", kafka_user_name("connect"), ("connect", connect_env())),
+        ),
     }
     for region in inputs.settings.region_names:
         files.update(_region_files(inputs, region))

@@ -21,6 +21,7 @@ kubectl 1.32) and then:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -40,7 +41,12 @@ import yaml
 from edgefeed import __version__ as VERSION
 from edgefeed import k8s
 from edgefeed.cli import app
-from edgefeed.settings import EdgefeedSettings, SettingsError, load_settings
+from edgefeed.settings import (
+    EdgefeedSettings,
+    SettingsError,
+    load_settings,
+    settings_from_mapping,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
@@ -143,6 +149,61 @@ def find(docs: Sequence[dict[str, Any]], kind: str, name: str) -> dict[str, Any]
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(matches) == 1, f"{kind}/{name}: {len(matches)} objects"
     return matches[0]
+
+
+def mounted_files(
+    docs: Sequence[dict[str, Any]], spec: Mapping[str, Any], container: Mapping[str, Any]
+) -> dict[str, tuple[str, str, str]]:
+    """Every file a container's volumes provide: path -> (kind, object name, key).
+
+    Secrets and ConfigMaps, whole or by items, alone or projected; a ConfigMap
+    mounted whole provides each key of the rendered object.
+    """
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    out: dict[str, tuple[str, str, str]] = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})
+        sources = list(volume.get("projected", {}).get("sources", []))
+        if "secret" in volume:
+            sources.append({"secret": {**volume["secret"], "name": volume["secret"]["secretName"]}})
+        if "configMap" in volume:
+            sources.append({"configMap": volume["configMap"]})
+        for source in sources:
+            for kind, ref in source.items():
+                items = ref.get("items")
+                if items is None and kind == "configMap":
+                    (config,) = [
+                        d
+                        for d in docs
+                        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref["name"]
+                    ]
+                    items = [{"key": key, "path": key} for key in config.get("data", {})]
+                for item in items or []:
+                    out[f"{mount['mountPath']}/{item['path']}"] = (kind, ref["name"], item["key"])
+    return out
+
+
+def container_settings(
+    docs: Sequence[dict[str, Any]], spec: Mapping[str, Any], container: Mapping[str, Any]
+) -> EdgefeedSettings:
+    """The settings an edgefeed container reads: the mounted file $EDGEFEED_SETTINGS names."""
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    overrides = sorted(n for n in env if n.startswith("EDGEFEED_") and n != "EDGEFEED_SETTINGS")
+    # Settings from the environment would bypass this check: none are expected.
+    assert not overrides, f"{container['name']}: settings from the environment {overrides}"
+    kind, name, key = mounted_files(docs, spec, container)[env["EDGEFEED_SETTINGS"]]
+    assert kind == "configMap", f"{container['name']}: settings from a {kind}"
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name]
+    return settings_from_mapping(yaml.safe_load(config["data"][key]), source=name)
+
+
+def pod_settings_of(docs: Sequence[dict[str, Any]]) -> EdgefeedSettings:
+    """The settings the router or a region's feature workers read in an overlay."""
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] in {"router", "feature-worker"}:
+            spec = doc["spec"]["template"]["spec"]
+            return container_settings(docs, spec, spec["containers"][0])
+    raise AssertionError("no router or feature worker in the overlay")
 
 
 # -- generated from the settings ---------------------------------------------------
@@ -264,6 +325,7 @@ def test_every_object_validates(rendered: dict[str, list[dict[str, Any]]]) -> No
         "ServiceMonitor",
         "NetworkPolicy",
         "KafkaUser",
+        "TriggerAuthentication",
     } <= kinds
 
 
@@ -338,6 +400,24 @@ def test_every_object_validates(rendered: dict[str, list[dict[str, Any]]]) -> No
                 },
             },
             "Wrote",
+        ),
+        (
+            {
+                "apiVersion": "keda.sh/v1alpha1",
+                "kind": "TriggerAuthentication",
+                "metadata": {"name": "x"},
+                "spec": {"secretTargetRefs": [{"parameter": "ca", "name": "s", "key": "ca.crt"}]},
+            },
+            "secretTargetRefs",
+        ),
+        (
+            {
+                "apiVersion": "keda.sh/v1alpha1",
+                "kind": "TriggerAuthentication",
+                "metadata": {"name": "x"},
+                "spec": {"secretTargetRef": [{"paramter": "ca", "name": "s", "key": "ca.crt"}]},
+            },
+            "paramter",
         ),
     ],
 )
@@ -479,6 +559,9 @@ def test_images_are_pinned(rendered: dict[str, list[dict[str, Any]]]) -> None:
 
 
 _SECRETISH = re.compile(r"(?i)(password|passwd|secret|token|api[_-]?key)")
+#: A Kafka config provider reference to a mounted secret file (Connect resolves
+#: it when it starts; the manifest and the properties file hold no secret).
+_PROVIDER_REFERENCE = re.compile(r"^\$\{dir:(/run/secrets(?:/[^:}]+)?):([^:}/]+)\}$")
 
 
 def test_no_secret_in_plain_text(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -488,7 +571,9 @@ def test_no_secret_in_plain_text(rendered: dict[str, list[dict[str, Any]]]) -> N
         spec = pod_specs(doc)
         for c in _containers(spec) if spec else []:
             for env in c.get("env", []):
-                if _SECRETISH.search(env["name"]):
+                if _SECRETISH.search(env["name"]) and not _PROVIDER_REFERENCE.match(
+                    env.get("value", "")
+                ):
                     assert "value" not in env, f"{where}: {env['name']} in plain text"
             for i, arg in enumerate(c.get("args", [])):
                 # A secret on the command line shows in `ps` and the pod spec.
@@ -800,14 +885,17 @@ def test_the_hosts_the_settings_name_are_services_where_they_are_used(
     def services(overlay: str) -> set[str]:
         return {d["metadata"]["name"] for d in rendered[overlay] if d["kind"] == "Service"}
 
-    kafka_hosts = {s.rpartition(":")[0] for s in settings.kafka.bootstrap_servers}
     central = services("central")
-    assert (
-        kafka_hosts | {settings.database.host, urlsplit(settings.connect.url).hostname} <= central
-    )
+    assert {settings.database.host, urlsplit(settings.connect.url).hostname} <= central
     for region in settings.region_names:
         host = urlsplit(settings.region(region).redis_url).hostname
-        assert {host} | kafka_hosts <= services(region), region
+        assert host in services(region), region
+    # Kafka by the bootstrap Service's full name (in the brokers' certificates), in
+    # the namespace the NetworkPolicies let Kafka clients reach on that port.
+    for overlay in rendered:
+        for server in pod_settings_of(rendered[overlay]).kafka.bootstrap_servers:
+            host, _, port = server.rpartition(":")
+            assert host.endswith(".kafka.svc") and port == "9092", (overlay, server)
 
 
 def test_the_image_holds_every_package_and_runs_as_nobody() -> None:
@@ -853,7 +941,7 @@ def test_the_deploy_command_writes_then_checks(tmp_path: Path) -> None:
     wrote = runner.invoke(app, base)
     assert wrote.exit_code == 0, wrote.output
     assert (tmp_path / "k8s" / "base" / "common" / "edgefeed.yaml").read_text() == (
-        SETTINGS.read_text()
+        k8s.kubernetes_settings_text(SETTINGS.read_text())
     )
     fresh = runner.invoke(app, [*base, "--check"])
     assert fresh.exit_code == 0 and "up to date" in fresh.output
@@ -1086,7 +1174,16 @@ def test_every_kafka_client_mounts_one_certificate(
             for source in vol["projected"]["sources"]
             for item in source["secret"]["items"]
         }
-        assert paths == {"user.crt", "user.key", "ca.crt"}, key
+        assert paths == set(k8s.KAFKA_FILES), key
+    # KEDA's principals have no pod: their certificates go to KEDA's operator.
+    used |= {
+        (d["metadata"]["namespace"], ref["name"])
+        for docs in rendered.values()
+        for d in docs
+        if d["kind"] == "TriggerAuthentication"
+        for ref in d["spec"].get("secretTargetRef", [])
+        if ref["parameter"] == "cert"
+    }
     declared = {
         (d["metadata"]["namespace"], d["metadata"]["name"])
         for docs in rendered.values()
@@ -1094,25 +1191,6 @@ def test_every_kafka_client_mounts_one_certificate(
         if d["kind"] == "KafkaUser"
     }
     assert declared == used
-
-
-def test_the_settings_can_name_the_mounted_certificate() -> None:
-    """kafka.security with mutual TLS names the files every Kafka client pod mounts."""
-    from pipeline.settings import KafkaSecuritySettings
-
-    cert_dir = Path(k8s.KAFKA_CERT_DIR)
-    security = KafkaSecuritySettings(
-        protocol="SSL",
-        ca_file=cert_dir / "ca.crt",
-        cert_file=cert_dir / "user.crt",
-        key_file=cert_dir / "user.key",
-    )
-    props = security.java_properties()
-    assert props["ssl.truststore.location"] == f"{k8s.KAFKA_CERT_DIR}/ca.crt"
-    # The gap docs/deploy.md names: Java's PEM key store is one file (key and
-    # chain), Strimzi's Secret keeps them apart, so Connect cannot use these yet.
-    assert props["ssl.keystore.location"] == f"{k8s.KAFKA_CERT_DIR}/user.crt"
-    assert not any("user.key" in value for value in props.values())
 
 
 @pytest.mark.parametrize("prefix", ["edgefeed.region", "edgefeed.region.shop", "edgefeed"])
@@ -1124,3 +1202,356 @@ def test_a_source_prefix_over_the_regional_topics_is_refused(prefix: str) -> Non
     text = text.replace(source, f"  - topic_prefix: {prefix}\n    name: shop ", 1)
     with pytest.raises(SettingsError, match="overlaps the regional topics"):
         k8s.render(_inputs(text))
+
+
+# -- every Kafka client connects with mutual TLS, as shipped -------------------------
+
+#: Connect's Kafka clients: the worker itself, the connectors' producers, the
+#: sink consumers, the admin client that creates topics.
+_CONNECT_CLIENTS = ("", "producer.", "consumer.", "admin.")
+
+
+def _connect_properties(container: Mapping[str, Any]) -> dict[str, str]:
+    """The worker properties the Debezium image writes from ``CONNECT_*`` (``_`` -> ``.``);
+    a value from a Secret reads ``secretKeyRef:<name>/<key>``."""
+    props = {}
+    for env in container.get("env", []):
+        if env["name"].startswith("CONNECT_"):
+            key = env["name"].removeprefix("CONNECT_").lower().replace("_", ".")
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            props[key] = f"secretKeyRef:{ref['name']}/{ref['key']}" if ref else env["value"]
+    return props
+
+
+def _edgefeed_tls_problems(
+    where: str, docs: Sequence[dict[str, Any]], spec: dict[str, Any], container: dict[str, Any]
+) -> list[str]:
+    security = container_settings(docs, spec, container).kafka.security
+    files = mounted_files(docs, spec, container)
+    problems = []
+    if not security.protocol.endswith("SSL") or None in (
+        security.ca_file,
+        security.cert_file,
+        security.key_file,
+    ):
+        problems.append(f"{where}: connects without TLS client auth ({security.protocol})")
+    for field in ("ca_file", "cert_file", "key_file", "keystore_file", "keystore_password_file"):
+        path = getattr(security, field)
+        if path is not None and str(path) not in files:
+            problems.append(
+                f"{where}: kafka.security.{field} {path}: no mounted volume provides it"
+            )
+    return problems
+
+
+def _connect_tls_problems(
+    where: str, docs: Sequence[dict[str, Any]], spec: dict[str, Any], container: dict[str, Any]
+) -> list[str]:
+    props = _connect_properties(container)
+    files = mounted_files(docs, spec, container)
+    allowed = []
+    if "dir" in props.get("config.providers", "").split(","):
+        allowed = props.get("config.providers.dir.param.allowed.paths", "").split(",")
+    problems = []
+    for prefix in _CONNECT_CLIENTS:
+        client = f"{where} ({prefix or 'worker.'}*)"
+        if props.get(f"{prefix}security.protocol") != "SSL":
+            problems.append(f"{client}: connects without TLS")
+        for store in ("keystore", "truststore"):
+            location = props.get(f"{prefix}ssl.{store}.location")
+            if location not in files:
+                problems.append(f"{client}: {store} {location}: no mounted volume provides it")
+        password = props.get(f"{prefix}ssl.keystore.password", "")
+        reference = _PROVIDER_REFERENCE.match(password)
+        if password.startswith("secretKeyRef:"):
+            continue
+        if reference is None:
+            problems.append(f"{client}: the key store password is no reference to a file")
+        elif not any(Path(reference[1]).is_relative_to(a) for a in allowed if a):
+            problems.append(f"{client}: {reference[1]} is no folder the dir provider may read")
+        elif f"{reference[1]}/{reference[2]}" not in files:
+            problems.append(f"{client}: {password}: no mounted volume provides it")
+    return problems
+
+
+def kafka_tls_problems(docs: Sequence[dict[str, Any]]) -> list[str]:
+    """Why a Kafka client pod of an overlay would not connect with a client certificate:
+    its settings (edgefeed's image) or its worker properties (Connect's) lack mutual TLS,
+    or name a certificate, key, key store or password that no mounted volume provides."""
+    problems = []
+    for doc in docs:
+        spec = pod_specs(doc)
+        labels = doc["spec"]["template"]["metadata"]["labels"] if spec else {}
+        if spec is None or labels.get("edgefeed.io/kafka-client") != "true":
+            continue
+        for container in _containers(spec):
+            where = f"{doc['kind']}/{doc['metadata']['name']} container {container['name']}"
+            image = container["image"]
+            if image.startswith("edgefeed:"):
+                problems += _edgefeed_tls_problems(where, docs, spec, container)
+            elif image.startswith("quay.io/debezium/connect:"):
+                problems += _connect_tls_problems(where, docs, spec, container)
+            else:
+                problems.append(f"{where}: a Kafka client of unknown kind ({image})")
+    return problems
+
+
+def test_every_kafka_client_presents_its_certificate(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    seen = 0
+    for overlay, docs in rendered.items():
+        assert kafka_tls_problems(docs) == [], overlay
+        seen += sum(
+            1
+            for d in docs
+            if pod_specs(d)
+            and d["spec"]["template"]["metadata"]["labels"].get("edgefeed.io/kafka-client")
+        )
+    assert seen >= 3 + 2 * 6  # router, Connect, exporter; per region overlay workers, exporter
+
+
+def test_only_the_labelled_kafka_clients_reach_the_brokers(network: Network) -> None:
+    """The pods the TLS check reads (labelled Kafka clients) are every pod the
+    NetworkPolicies let reach the brokers: none escapes it by a missing label."""
+    broker = _pod(network, "kafka", "broker")
+    reaching = {
+        (p.namespace, p.name)
+        for p in network.pods
+        if p.namespace.startswith("edgefeed") and network.connects(p, broker, 9092)
+    }
+    labelled = {
+        (p.namespace, p.name)
+        for p in network.pods
+        if p.label_map.get("edgefeed.io/kafka-client") == "true"
+    }
+    assert reaching == labelled
+    assert {("edgefeed", "router"), ("edgefeed", "connect")} <= reaching
+
+
+def _set_security(docs: list[dict[str, Any]], **security: Any) -> None:
+    for doc in docs:
+        if doc["kind"] == "ConfigMap" and "edgefeed.yaml" in doc.get("data", {}):
+            data = yaml.safe_load(doc["data"]["edgefeed.yaml"])
+            data["kafka"]["security"] = security
+            doc["data"]["edgefeed.yaml"] = yaml.safe_dump(data)
+
+
+def _connect_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    container: dict[str, Any] = find(docs, "Deployment", "connect")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    return container
+
+
+def _drop_env(docs: list[dict[str, Any]], name: str) -> None:
+    container = _connect_container(docs)
+    container["env"] = [e for e in container["env"] if e["name"] != name]
+
+
+def _set_env(docs: list[dict[str, Any]], name: str, value: str) -> None:
+    for env in _connect_container(docs)["env"]:
+        if env["name"] == name:
+            env["value"] = value
+
+
+def _drop_item(docs: list[dict[str, Any]], path: str) -> None:
+    spec = find(docs, "Deployment", "connect")["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "kafka"]
+    for source in volume["projected"]["sources"]:
+        source["secret"]["items"] = [i for i in source["secret"]["items"] if i["path"] != path]
+
+
+_TLS = k8s.kafka_security()
+
+
+@pytest.mark.parametrize(
+    ("break_it", "expected"),
+    [
+        (lambda d: _set_security(d), "router container router: connects without TLS client"),
+        (
+            lambda d: _set_security(d, protocol="SSL", ca_file=_TLS["ca_file"]),
+            "exporter container exporter: connects without TLS client auth (SSL)",
+        ),
+        (
+            lambda d: _set_security(d, **{**_TLS, "cert_file": "/run/secrets/kafka/tls.crt"}),
+            "kafka.security.cert_file /run/secrets/kafka/tls.crt: no mounted volume",
+        ),
+        (
+            lambda d: _drop_env(d, "CONNECT_PRODUCER_SECURITY_PROTOCOL"),
+            "connect (producer.*): connects without TLS",
+        ),
+        (
+            lambda d: _drop_env(d, "CONNECT_ADMIN_SSL_KEYSTORE_LOCATION"),
+            "connect (admin.*): keystore None",
+        ),
+        (lambda d: _drop_item(d, "user.p12"), "connect (worker.*): keystore /run/secrets/kafka"),
+        (
+            lambda d: _set_env(d, "CONNECT_CONSUMER_SSL_KEYSTORE_PASSWORD", "changeit"),
+            "connect (consumer.*): the key store password is no reference",
+        ),
+        (
+            lambda d: _set_env(d, "CONNECT_CONFIG_PROVIDERS_DIR_PARAM_ALLOWED_PATHS", "/run/x"),
+            "is no folder the dir provider may read",
+        ),
+    ],
+    ids=[
+        "plaintext",
+        "tls-without-certificate",
+        "certificate-not-mounted",
+        "connect-producer-plaintext",
+        "connect-admin-no-keystore",
+        "connect-keystore-not-mounted",
+        "connect-password-in-plain-text",
+        "connect-provider-may-not-read",
+    ],
+)
+def test_the_tls_check_sees_a_client_without_its_certificate(
+    rendered: dict[str, list[dict[str, Any]]], break_it: Any, expected: str
+) -> None:
+    docs = copy.deepcopy(rendered["central"])
+    break_it(docs)
+    problems = kafka_tls_problems(docs)
+    assert any(expected in problem for problem in problems), problems
+
+
+def test_connect_presents_its_key_store_and_its_connectors_use_the_workers_clients(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Connect's worker, producers, consumers and admin client present the PKCS12 key
+    store of Connect's KafkaUser; the connectors cannot override them, and the
+    Debezium connector's config names no Kafka client setting of its own (the
+    PostgreSQL connector keeps no schema history topic; its records, heartbeats and
+    snapshot notifications go through the worker's producer)."""
+    from connectors.config import render_connector_config
+
+    docs = rendered["central"]
+    container = _connect_container(list(docs))
+    props = _connect_properties(container)
+    files = mounted_files(
+        docs, find(docs, "Deployment", "connect")["spec"]["template"]["spec"], container
+    )
+    for prefix in _CONNECT_CLIENTS:
+        assert props[f"{prefix}ssl.keystore.type"] == "PKCS12"
+        location = props[f"{prefix}ssl.keystore.location"]
+        assert files[location] == ("secret", k8s.kafka_user_name("connect"), "user.p12")
+        password = _PROVIDER_REFERENCE.match(props[f"{prefix}ssl.keystore.password"])
+        assert password is not None
+        assert files[f"{password[1]}/{password[2]}"] == (
+            "secret",
+            k8s.kafka_user_name("connect"),
+            "user.password",
+        )
+        assert files[props[f"{prefix}ssl.truststore.location"]][1] == "edgefeed-cluster-ca-cert"
+    assert props["connector.client.config.override.policy"] == "None"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["BOOTSTRAP_SERVERS"] == k8s.KAFKA_BOOTSTRAP
+    settings = pod_settings_of(docs)
+    assert settings.sources
+    for source in settings.sources:
+        config = render_connector_config(settings.database, source)
+        kafka_keys = [
+            key
+            for key in config
+            if key.startswith(("producer.", "consumer.", "admin.", "schema.history"))
+            or "ssl." in key
+            or key in {"bootstrap.servers", "security.protocol"}
+        ]
+        assert kafka_keys == [], source.name
+
+
+def test_the_compose_stack_stays_plaintext(settings: EdgefeedSettings) -> None:
+    """The Kubernetes settings take mutual TLS; the compose file they come from does
+    not (docker-compose.yml runs Apache Kafka with a PLAINTEXT listener)."""
+    assert settings.kafka.security.protocol == "PLAINTEXT"
+    kafka = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["kafka"]
+    assert "PLAINTEXT://kafka:9092" in kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert settings.kafka.bootstrap_servers == ["kafka:9092"]
+
+
+# -- KEDA's Kafka scaler: its own principal, offsets only ----------------------------
+
+
+def test_keda_reads_the_lag_with_its_own_certificate(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    for region in settings.region_names:
+        for overlay in (region, f"{region}-gpu"):
+            docs = rendered[overlay]
+            (trigger,) = find(docs, "ScaledObject", "feature-worker")["spec"]["triggers"]
+            auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+            spec = auth["spec"]
+            (tls,) = spec["configMapTargetRef"]
+            assert tls["parameter"] == "tls"
+            assert find(docs, "ConfigMap", tls["name"])["data"][tls["key"]] == "enable"
+            refs = {r["parameter"]: (r["name"], r["key"]) for r in spec["secretTargetRef"]}
+            user = k8s.kafka_user_name("keda", region)
+            assert refs == {
+                "ca": ("edgefeed-cluster-ca-cert", "ca.crt"),
+                "cert": (user, "user.crt"),
+                "key": (user, "user.key"),
+            }, overlay
+            keda = find(docs, "KafkaUser", user)
+            assert keda["spec"]["authentication"] == {"type": "tls"}
+            # KEDA's operator runs in its own namespace: a name that resolves from there.
+            assert trigger["metadata"]["bootstrapServers"] == k8s.KAFKA_BOOTSTRAP
+            assert pod_settings_of(docs).kafka.bootstrap_servers == [k8s.KAFKA_BOOTSTRAP]
+
+
+def test_keda_reads_offsets_only_and_writes_nothing(
+    rendered: dict[str, list[dict[str, Any]]], settings: EdgefeedSettings
+) -> None:
+    users = kafka_users(rendered)
+    names = settings.pipeline.names
+    operations = [
+        "Read", "Write", "Create", "Delete", "Alter", "AlterConfigs", "DescribeConfigs",
+        "IdempotentWrite",
+    ]  # fmt: skip
+    for region in settings.region_names:
+        keda = users[k8s.kafka_user_name("keda", region)]
+        topic, group = names.region_topic(region), names.region_group(region)
+        assert kafka_allows(keda, "topic", topic, "Describe")
+        assert kafka_allows(keda, "group", group, "Describe")
+        for other in settings.region_names:
+            resources = [
+                ("topic", names.region_topic(other)),
+                ("group", names.region_group(other)),
+                ("topic", names.changelog_topic(other)),
+                ("topic", names.region_dead_letter_topic(other)),
+            ]
+            for kind, name in resources:
+                for operation in operations:
+                    assert not kafka_allows(keda, kind, name, operation), (region, name, operation)
+                if other != region:
+                    assert not kafka_allows(keda, kind, name, "Describe"), (region, name)
+        for topic in [names.dead_letter_topic, *settings.topic_of_table().values()]:
+            assert not kafka_allows(keda, "topic", topic, "Describe"), (region, topic)
+        assert not any(
+            kafka_allows(keda, "cluster", "kafka-cluster", op)
+            for op in ("Alter", "AlterConfigs", "ClusterAction", "IdempotentWrite", "Create")
+        )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "regions:\n  - {name: eu, redis_url: 'redis://redis-eu:6379/0'}\n",
+        "# top\nregions:\n  - {name: eu, redis_url: 'redis://redis-eu:6379/0'}\n"
+        "kafka:\n  client_id: x  # kept\n  security: {protocol: SASL_SSL}\n",
+        "kafka: {client_id: x}\n# about the regions\nregions:\n"
+        "  - {name: eu, redis_url: 'redis://redis-eu:6379/0'}\n",
+    ],
+    ids=["no-kafka-block", "kafka-block-last", "flow-kafka-block"],
+)
+def test_the_kubernetes_settings_keep_the_file_but_its_kafka_connection(text: str) -> None:
+    out = k8s.kubernetes_settings_text(text)
+    before, after = yaml.safe_load(text), yaml.safe_load(out)
+    assert after["kafka"]["security"] == k8s.kafka_security()
+    assert after["kafka"]["bootstrap_servers"] == k8s.KAFKA_BOOTSTRAP
+    assert after["kafka"].get("client_id") == (before.get("kafka") or {}).get("client_id")
+    assert {k: v for k, v in after.items() if k != "kafka"} == {
+        k: v for k, v in before.items() if k != "kafka"
+    }
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert line in out.splitlines()
