@@ -1,9 +1,9 @@
 """Write the JSON schemas the manifest tests validate custom resources against.
 
 kubernetes-validate ships the schemas of Kubernetes' own kinds only. The custom
-resources deploy/k8s uses (KEDA's ScaledObject, the Prometheus operator's
-PrometheusRule and ServiceMonitor) are validated against schemas derived from
-the cloudcoil model packages on PyPI, which are generated from those projects'
+resources deploy/k8s uses (KEDA's ScaledObject and TriggerAuthentication, the
+Prometheus operator's PrometheusRule and ServiceMonitor) are validated against
+schemas derived from the cloudcoil model packages on PyPI, generated from those projects'
 CRDs (KEDA 2.16, prometheus-operator 0.80). Strimzi's KafkaUser
 (kafka.strimzi.io/v1beta2) comes from the npm package
 ``@kubernetes-models/strimzi-kafka-operator`` 1.0.1 (generated from Strimzi
@@ -41,6 +41,10 @@ from typing import Any
 
 KINDS = {
     ("keda.sh/v1alpha1", "ScaledObject"): (
+        "cloudcoil.models.keda.v1alpha1",
+        "cloudcoil.models.keda",
+    ),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): (
         "cloudcoil.models.keda.v1alpha1",
         "cloudcoil.models.keda",
     ),
