@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -20,6 +24,7 @@ from e2e_harness import PipelineRun, pipeline_run  # noqa: F401 - the fixture
 
 from edge_cache.layout import header_times
 from edgefeed.lookup import feature_client
+from edgefeed.training import build_training_set
 from edgefeed.verify import verify
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_region_caches")]
@@ -536,3 +541,90 @@ def test_a_deleted_users_remaining_events_are_served_nowhere_and_verify_agrees(
     assert report.ok, report.to_dict()["mismatches"][:5]
     # The item the view fed still counts it (items are shared: no own row needed).
     assert (vector(run, "us-east", "item", 950) or {}).get("views_1h") == 1
+
+
+def test_a_training_set_gives_what_the_cache_served_at_each_read_time(
+    pipeline_run: PipelineRun, tmp_path: Path
+) -> None:
+    """Issue 32: read times sampled during a live load (inserts, late events among them);
+    at each, the vectors the lookup client serves once the workers have applied every
+    change committed so far; then ``features history`` at the same times, after more
+    load (late events whose event times precede the samples): the same values, exactly
+    (the cache's float32 and the file's float32 are the same numbers), and nulls where the
+    user did not exist yet."""
+    run = pipeline_run
+    homes = {9501 + i: run.settings.region_names[i % 2] for i in range(5)}
+    rng = random.Random(32)
+
+    def add_users(*ids: int) -> None:
+        for uid in ids:
+            sql(
+                run,
+                "INSERT INTO {s}.users (user_id, home_region, country, segment, email) "
+                "VALUES (%s, %s, 'DE', %s, 'x@example.org')",
+                (uid, homes[uid], uid % 4),
+            )
+
+    def load(users: list[int], transactions: int) -> None:
+        with psycopg.connect(run.settings.database.dsn()) as conn:
+            for _ in range(transactions):
+                with conn.transaction():
+                    for _ in range(3):
+                        uid, item = rng.choice(users), rng.randrange(300, 310)
+                        conn.execute(
+                            "INSERT INTO {s}.events (user_id, item_id, category_id, price, "
+                            "home_region, kind, occurred_at) VALUES (%s, %s, %s, %s, %s, %s, "
+                            "now() - make_interval(secs => %s))".replace("{s}", run.schema),
+                            (
+                                uid,
+                                item,
+                                item % 4,
+                                f"{rng.uniform(1, 50):.2f}",
+                                homes[uid],
+                                rng.choice(["view", "view", "click", "add_to_cart", "purchase"]),
+                                rng.choice([0, 0, 0, 600]),  # one in four: 10 minutes late
+                            ),
+                        )
+                time.sleep(0.03)
+
+    add_users(9501, 9502, 9503, 9504)
+    samples: list[tuple[int, datetime, dict[str, Any] | None]] = []
+    for phase in range(3):
+        if phase == 1:
+            add_users(9505)  # sampled at phase 0: before it existed
+        load([u for u in homes if phase > 0 or u != 9505], 10)
+        wait_for("the caches caught up", lambda: verify(run.settings).ok, timeout_s=120)
+        at = datetime.now(UTC)
+        for region in sorted(set(homes.values())):
+            ids = sorted(u for u in homes if homes[u] == region)
+            client = feature_client(run.settings, region, timeout_s=5)
+            try:
+                got = client.get("user", ids, at=at)
+                for uid, found, values in zip(ids, got.found, got.to_dicts(), strict=True):
+                    samples.append((uid, at, values if found else None))
+            finally:
+                client.close()
+    load(list(homes), 10)  # committed after every sample; late ones with earlier event times
+
+    spine = tmp_path / "spine.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": [uid for uid, _, _ in samples],
+                "timestamp": pa.array([at for _, at, _ in samples], pa.timestamp("us", tz="UTC")),
+                "label": list(range(len(samples))),
+            }
+        ),
+        spine,
+    )
+    out = tmp_path / "train.parquet"
+    report = build_training_set(run.settings, "user", spine, out, batch_rows=4)
+    assert report.notes == []  # every row's commit time known: exact
+    rows = pq.read_table(out).to_pylist()
+    assert [row["label"] for row in rows] == list(range(len(samples)))
+    features = [f for f in rows[0] if f not in ("user_id", "timestamp", "label")]
+    for row, (uid, at, served) in zip(rows, samples, strict=True):
+        expected = served or dict.fromkeys(features)  # not served: every feature null
+        assert {f: row[f] for f in features} == expected, (uid, at)
+    assert [served for uid, _, served in samples[:5] if uid == 9505] == [None]  # not yet
+    assert sum(served["views_30m"] or 0 for _, _, served in samples if served) > 0
