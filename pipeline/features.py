@@ -607,6 +607,17 @@ class EntityEngine:
             values.update(self._aggregates(state, at_ms))
         return self._checked(values)
 
+    def vectors_at(self, state: EntityState, times_ms: Sequence[int]) -> list[dict[str, Any]]:
+        """The vector read at each of ``times_ms`` (ascending), as the lookup client gets
+        it from the value the worker writes at that time: the windows move forward
+        through the times and stay at the first (a later call moves them on from there
+        over the rows between only, as the worker's next schedule does)."""
+        values = self._checked(self._latest(state))
+        if not self.slots:
+            aggregates = self._aggregates(state, None)
+            return [values | aggregates for _ in times_ms]
+        return [values | a for a in self._aggregates_at(state, list(times_ms), stay=True)]
+
     def schedule(
         self, state: Mapping[str, Any], now_ms: int
     ) -> tuple[dict[str, Any], Schedule | None]:

@@ -38,7 +38,7 @@ from connectors.database import COMMIT_MS
 from connectors.settings import TableSettings
 from pipeline.envelope import Change
 from pipeline.exceptions import PoisonEventError, TrainingSetError
-from pipeline.features import EntityEngine, FeatureEngine
+from pipeline.features import EntityEngine, EntityState, FeatureEngine
 from pipeline.messages import RegionalChange
 from pipeline.recompute import debezium_value
 from pipeline.routing import Router
@@ -194,18 +194,25 @@ class TrainingSet:
         """The vector (None: not served) of one entity at each read time (ms, ascending)."""
         history = self._history.get(str(entity_id), [])
         engine = self.engine
-        state: Any = None
+        state: EntityState | None = None
         applied = 0
         out: list[dict[str, Any] | None] = []
-        for at in times_ms:
-            while applied < len(history) and history[applied][0] <= at:
+        start = 0
+        while start < len(times_ms):
+            while applied < len(history) and history[applied][0] <= times_ms[start]:
                 with suppress(PoisonEventError):  # dead-lettered live: not counted
                     state, _ = engine.apply(state, history[applied][1])
                 applied += 1
+            # The read times before the next change are read in one pass.
+            end = start + 1
+            upcoming = history[applied][0] if applied < len(history) else None
+            while end < len(times_ms) and (upcoming is None or times_ms[end] < upcoming):
+                end += 1
             if state is None or not engine.served(state):
-                out.append(None)
+                out.extend([None] * (end - start))
             else:
-                out.append(engine.vector(state, at if engine.slots else None))
+                out.extend(engine.vectors_at(state, times_ms[start:end]))
+            start = end
         return out
 
     def output_schema(self, spine: pa.Schema, entity_column: str, time_column: str) -> pa.Schema:
