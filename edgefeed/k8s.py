@@ -618,7 +618,9 @@ def render(inputs: K8sInputs) -> dict[str, str]:
         SettingsError: the settings hold a secret other than as a file (it
             would land in a ConfigMap), a region's Redis host cannot be a
             Service name, a source's topics would fall under the regional
-            topics' prefix, or the alert rules have no groups.
+            topics' prefix, the settings' ``kafka:`` block cannot be rewritten
+            for Kubernetes (:func:`kubernetes_settings_text`), or the alert
+            rules have no groups.
     """
     secrets = inline_secrets(yaml.safe_load(inputs.settings_text))
     if secrets:
