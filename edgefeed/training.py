@@ -7,10 +7,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from connectors.database import read_rows
 from edgefeed.settings import EdgefeedSettings
 from pipeline.exceptions import TrainingSetError
-from pipeline.training import TrainingSet, changes_from_rows, write_training_set
+from pipeline.training import TrainingSet, changes_from_rows, check_spine, write_training_set
 
 __all__ = ["HistoryReport", "build_training_set", "entity_column_of", "source_history"]
 
@@ -89,6 +92,11 @@ def build_training_set(
     if not spine.is_file():
         raise TrainingSetError(f"spine {spine} is not a file; give a Parquet file (--spine)")
     column = entity_column or entity_column_of(settings, entity)
+    try:
+        schema = pq.read_schema(spine)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TrainingSetError(f"spine {spine} is not a Parquet file ({exc})") from None
+    check_spine(schema, column, time_column)  # before the database is read
     training = source_history(settings, entity, region=region, version=version)
     rows = write_training_set(
         training,

@@ -51,6 +51,7 @@ __all__ = [
     "META_VERSION",
     "TrainingSet",
     "changes_from_rows",
+    "check_spine",
     "write_training_set",
 ]
 
@@ -222,20 +223,8 @@ class TrainingSet:
             TrainingSetError: the spine lacks a column, has naive timestamps, or has a
                 column named like a feature.
         """
+        check_spine(spine, entity_column, time_column)
         names = spine.names
-        for role, column in (("entity", entity_column), ("time", time_column)):
-            if column not in names:
-                raise TrainingSetError(
-                    f"the spine has no {role} column {column!r} (its columns: "
-                    f"{', '.join(names)}); name it with --{role}-column"
-                )
-        kind = spine.field(time_column).type
-        if not pa.types.is_timestamp(kind) or kind.tz is None:
-            raise TrainingSetError(
-                f"spine column {time_column!r} is {kind}, not a timestamp with a time zone: "
-                "read times must be instants (e.g. pandas' tz_localize('UTC'), or "
-                "pa.timestamp('us', tz='UTC'))"
-            )
         clashes = [f.name for f in self.features if f.name in names]
         if clashes:
             raise TrainingSetError(
@@ -273,6 +262,28 @@ class TrainingSet:
                 for f in self.features
             ]
             yield pa.RecordBatch.from_arrays([*batch.columns, *columns], schema=out)
+
+
+def check_spine(spine: pa.Schema, entity_column: str, time_column: str) -> None:
+    """Refuse a spine without its entity or time column, or with naive read times.
+
+    Raises:
+        TrainingSetError: naming the column and the fix.
+    """
+    names = spine.names
+    for role, column in (("entity", entity_column), ("time", time_column)):
+        if column not in names:
+            raise TrainingSetError(
+                f"the spine has no {role} column {column!r} (its columns: "
+                f"{', '.join(names)}); name it with --{role}-column"
+            )
+    kind = spine.field(time_column).type
+    if not pa.types.is_timestamp(kind) or kind.tz is None:
+        raise TrainingSetError(
+            f"spine column {time_column!r} is {kind}, not a timestamp with a time zone: "
+            "read times must be instants (e.g. pandas' tz_localize('UTC'), or "
+            "pa.timestamp('us', tz='UTC'))"
+        )
 
 
 def _required(batch: pa.RecordBatch, column: str) -> list[Any]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import typer.main
 from click import Command
@@ -293,7 +295,8 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     token_file.write_text(WORKER_TOKEN + "\n")
     token_env = (("EDGEFEED_WORKERS_AUTH_TOKEN", WORKER_TOKEN),)
     spine = tmp_path / "spine.parquet"
-    spine.write_bytes(b"")  # a file: the command goes on to the (unreachable) database
+    stamps = pa.array([0], pa.timestamp("us", tz="UTC"))
+    pq.write_table(pa.table({"user_id": [1], "timestamp": stamps}), spine)  # on to the database
     history = ("--spine", str(spine), "--out", str(tmp_path / "train.parquet"))
     cases = [
         Case(inline, ("lag", "--samples", "1", "--interval", "0.1")),

@@ -219,3 +219,18 @@ def test_bad_spines_and_versions_are_refused_naming_the_column_or_version(tmp_pa
         TrainingSet(SETTINGS.entities, TABLES, REGIONS, "item", [])
     assert not out.exists()
     assert issubclass(TrainingSetError, ValueError)
+
+
+def test_the_command_refuses_a_naive_spine_before_reading_the_database(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from edgefeed.cli import app
+
+    naive = spine_file(tmp_path, user_id=[7], timestamp=pa.array([T0.replace(tzinfo=None)]))
+    settings = ROOT / "examples" / "edgefeed.yaml"
+    args = ["--settings", str(settings), "features", "history", "--entity", "user"]
+    result = CliRunner().invoke(app, [*args, "--spine", str(naive), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())  # the console wraps lines
+    assert "'timestamp' is timestamp[us], not a timestamp with a time zone" in said
+    assert not (tmp_path / "o").exists()
