@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,13 @@ import pyarrow.parquet as pq
 from connectors.database import read_rows
 from edgefeed.settings import EdgefeedSettings
 from pipeline.exceptions import TrainingSetError
-from pipeline.training import TrainingSet, changes_from_rows, check_spine, write_training_set
+from pipeline.training import (
+    TrainingSet,
+    changes_from_rows,
+    check_spine,
+    topic_changes,
+    write_training_set,
+)
 
 __all__ = ["HistoryReport", "build_training_set", "entity_column_of", "source_history"]
 
@@ -45,20 +52,36 @@ def source_history(
     *,
     region: str | None = None,
     version: int | None = None,
+    source: str = "tables",
 ) -> TrainingSet:
-    """The history of ``entity`` from the source tables' current rows and their commit
-    times (``track_commit_timestamp``; where unknown, the entity's time columns).
+    """The history of ``entity``: with ``source="tables"``, the source tables' current
+    rows and their commit times (``track_commit_timestamp``; where unknown, the
+    entity's time columns); with ``"topics"``, every change in the tables' Debezium
+    topics (updates and deletes included, as far back as the topics reach).
 
     Raises:
         TrainingSetError: an undeclared entity, region or version.
         SourceValidationError: the database cannot be reached.
+        TrainingSetSourceError: the broker cannot be reached (``topics``).
     """
     entity_column_of(settings, entity)
     tables = settings.tables()
     fed = sorted({table for e in settings.entities for table in e.tables})
-    rows = read_rows(settings.database, [tables[name] for name in fed], commit_times=True)
-    time_columns = {t: c for e in settings.entities for t, c in e.time_columns.items()}
-    changes, notes = changes_from_rows(rows, time_columns)
+    if source == "topics":
+        topics = {table: settings.topic_of_table()[table] for table in fed}
+        changes, notes = asyncio.run(
+            topic_changes(
+                settings.kafka.bootstrap_servers,
+                topics,
+                settings.kafka.security.aiokafka_options(),
+            )
+        )
+    elif source == "tables":
+        rows = read_rows(settings.database, [tables[name] for name in fed], commit_times=True)
+        time_columns = {t: c for e in settings.entities for t, c in e.time_columns.items()}
+        changes, notes = changes_from_rows(rows, time_columns)
+    else:
+        raise TrainingSetError(f"source {source!r} is not one of: tables, topics")
     return TrainingSet(
         settings.entities,
         tables,
@@ -81,6 +104,7 @@ def build_training_set(
     time_column: str = "timestamp",
     region: str | None = None,
     version: int | None = None,
+    source: str = "tables",
     batch_rows: int = 65_536,
 ) -> HistoryReport:
     """Write the training set of ``spine`` to ``out`` (see :func:`source_history`).
@@ -97,7 +121,7 @@ def build_training_set(
     except (pa.ArrowInvalid, OSError) as exc:
         raise TrainingSetError(f"spine {spine} is not a Parquet file ({exc})") from None
     check_spine(schema, column, time_column)  # before the database is read
-    training = source_history(settings, entity, region=region, version=version)
+    training = source_history(settings, entity, region=region, version=version, source=source)
     rows = write_training_set(
         training,
         spine,

@@ -24,6 +24,7 @@ not bounded by memory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -36,8 +37,8 @@ import pyarrow.parquet as pq
 
 from connectors.database import COMMIT_MS
 from connectors.settings import TableSettings
-from pipeline.envelope import Change
-from pipeline.exceptions import PoisonEventError, TrainingSetError
+from pipeline.envelope import Change, decode_change
+from pipeline.exceptions import PipelineError, PoisonEventError, TrainingSetError
 from pipeline.features import EntityEngine, EntityState, FeatureEngine
 from pipeline.messages import RegionalChange
 from pipeline.recompute import debezium_value
@@ -50,8 +51,10 @@ __all__ = [
     "META_NOTES",
     "META_VERSION",
     "TrainingSet",
+    "TrainingSetSourceError",
     "changes_from_rows",
     "check_spine",
+    "topic_changes",
     "write_training_set",
 ]
 
@@ -113,6 +116,88 @@ def changes_from_rows(
         for lsn, (commit, table, _, after) in enumerate(stamped, start=1)
     ]
     return changes, sorted(guessed.values())
+
+
+class TrainingSetSourceError(PipelineError):
+    """The history's source (the broker holding the CDC topics) cannot be read.
+    Retryable once it is up."""
+
+    retryable = True
+
+
+async def topic_changes(
+    bootstrap: Sequence[str],
+    topics: Mapping[str, str],
+    options: Mapping[str, Any],
+    idle_s: float = 1.0,
+) -> tuple[list[Change], list[str]]:
+    """Every change in the source tables' Debezium topics, from their start: each
+    version of each row with its commit position and time (updates and deletes
+    included), as the router read them.
+
+    Args:
+        topics: ``schema.table`` -> its change topic.
+        options: aiokafka's client options (security).
+        idle_s: A topic is read until nothing came for this long (the broker's reported
+            end can be the start of its last batch).
+
+    Returns:
+        The changes, and notes naming the topics that do not begin with the connector's
+        initial snapshot (rows committed before their first record are missing) and
+        the records that could not be decoded (dead letters, skipped live too).
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.errors import KafkaError
+
+    changes: list[Change] = []
+    notes: list[str] = []
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=list(bootstrap),
+        client_id="edgefeed-training",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **dict(options),
+    )
+    try:
+        await asyncio.wait_for(consumer.start(), 30)
+    except (KafkaError, OSError, TimeoutError) as exc:
+        await consumer.stop()
+        raise TrainingSetSourceError(
+            f"the broker at {', '.join(bootstrap)} cannot be read ({type(exc).__name__}); "
+            "start it, or build from the tables (--source tables)"
+        ) from None
+    try:
+        known = await consumer.topics()
+        for table, topic in sorted(topics.items()):
+            if topic not in known:
+                notes.append(f"{table}: topic {topic} does not exist: no history")
+                continue
+            parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+            consumer.assign(parts)
+            await consumer.seek_to_beginning(*parts)
+            firsts: dict[int, Change] = {}
+            skipped = 0
+            while batch := await consumer.getmany(timeout_ms=int(idle_s * 1000), max_records=5000):
+                for tp, messages in batch.items():
+                    for message in messages:
+                        try:
+                            change = decode_change(message.value or b"", offset=message.offset)
+                        except PoisonEventError:
+                            skipped += 1
+                            continue
+                        if change is not None:
+                            firsts.setdefault(tp.partition, change)
+                            changes.append(change)
+            if any(c.op != "r" or c.snapshot in (None, "incremental") for c in firsts.values()):
+                notes.append(
+                    f"{table}: topic {topic} does not begin with the connector's initial "
+                    "snapshot (retention): rows committed before its first record are missing"
+                )
+            if skipped:
+                notes.append(f"{table}: {skipped} undecodable records skipped (dead letters)")
+    finally:
+        await consumer.stop()
+    return changes, notes
 
 
 class TrainingSet:

@@ -206,6 +206,13 @@ def history_cmd(
         int | None,
         typer.Option(help="The feature-set version expected (refused if no longer defined)."),
     ] = None,
+    source: Annotated[
+        str,
+        typer.Option(
+            help="Where the history comes from: 'tables' (current rows and their commit "
+            "times) or 'topics' (every change in the CDC topics: updates and deletes too)."
+        ),
+    ] = "tables",
     batch_rows: Annotated[int, typer.Option(min=1, help="Spine rows per batch.")] = 65_536,
     as_json: JsonFlag = False,
 ) -> None:
@@ -223,6 +230,7 @@ def history_cmd(
             time_column=time_column,
             region=region,
             version=version,
+            source=source,
             batch_rows=batch_rows,
         )
     )

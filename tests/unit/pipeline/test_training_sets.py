@@ -16,6 +16,7 @@ import pytest
 
 from connectors.database import COMMIT_MS
 from edgefeed.settings import load_settings
+from pipeline.envelope import Change
 from pipeline.exceptions import TrainingSetError
 from pipeline.settings import EntitySettings
 from pipeline.training import META_VERSION, TrainingSet, changes_from_rows, write_training_set
@@ -234,3 +235,22 @@ def test_the_command_refuses_a_naive_spine_before_reading_the_database(tmp_path:
     said = " ".join(result.output.split())  # the console wraps lines
     assert "'timestamp' is timestamp[us], not a timestamp with a time zone" in said
     assert not (tmp_path / "o").exists()
+
+
+def test_changes_with_every_version_give_each_version_from_its_commit_and_a_delete() -> None:
+    """From the change topics (every version of a row, as the router read them): an
+    update counts from its commit, a deleted user is not served after its delete."""
+    row = {k: v for k, v in user_row(T0).items() if k not in (COMMIT_MS, "signup_at")}
+    updated = {**row, "segment": 3}
+    changes = [
+        Change("public.users", "c", None, row, 10, 0, ms(T0)),
+        Change("public.users", "u", row, updated, 20, 0, ms(T0 + 10 * MIN)),
+        Change("public.users", "d", updated, None, 30, 0, ms(T0 + 20 * MIN)),
+    ]
+    history = TrainingSet(SETTINGS.entities, TABLES, REGIONS, "user", changes)
+    first, second, gone = history.vectors(
+        7, [ms(T0 + 5 * MIN), ms(T0 + 15 * MIN), ms(T0 + 25 * MIN)]
+    )
+    assert first is not None and first["segment"] == 2
+    assert second is not None and second["segment"] == 3
+    assert gone is None
