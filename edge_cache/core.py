@@ -340,7 +340,7 @@ class LookupCore:
         """Validate a call and resolve everything it needs but I/O."""
         reader = self.reader(entity)
         projection = self.projection(entity, features)
-        if isinstance(ids, str | bytes):
+        if isinstance(ids, (str, bytes)):  # a tuple: no union object built per call
             raise InvalidValueError(
                 f"ids must be a sequence of ids, got the single value {ids!r}; pass [{ids!r}]"
             )

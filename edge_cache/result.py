@@ -23,6 +23,7 @@ __all__ = ["FeatureVectors", "Projection"]
 _NAT = np.iinfo(np.int64).min
 _MICROS = np.dtype("datetime64[us]")
 _TRUE: dict[tuple[int, ...], np.ndarray[Any, np.dtype[np.bool_]]] = {}
+_FALSE: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] = {}
 
 
 def _all_true(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.bool_]]:
@@ -34,6 +35,18 @@ def _all_true(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.bool_]]:
         mask = np.ones(shape, dtype=np.bool_)
         mask.flags.writeable = False
         _TRUE[shape] = mask
+    return mask
+
+
+def _none_stale(n: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """A shared, read-only all-False ``stale`` (the common "nothing withheld" case)."""
+    mask = _FALSE.get(n)
+    if mask is None:
+        if len(_FALSE) > 256:
+            _FALSE.clear()
+        mask = np.zeros(n, dtype=np.bool_)
+        mask.flags.writeable = False
+        _FALSE[n] = mask
     return mask
 
 
@@ -143,7 +156,8 @@ class FeatureVectors:
         present: Same shape, True where ``values`` holds a served value.
         found: Per row, True when the entity had a vector within the staleness bound.
         stale: Per row, True when a vector exists but is older than ``max_staleness``
-            (its values are withheld).
+            (its values are withheld). Like ``found`` and ``present``, it may be a
+            shared read-only array.
         commit_time: Per row, source commit time (``datetime64[us]``, UTC; NaT if absent).
         write_time: Per row, cache write time (``datetime64[us]``, UTC; NaT if absent).
         corrupt: ``(row, reason)`` of each id whose cached value could not be read
@@ -258,7 +272,7 @@ def build_vectors(
     records = decoded.records
     rows = decoded.rows
     complete = decoded.complete
-    stale = np.zeros(n, dtype=np.bool_)
+    stale = _none_stale(n)
     if complete:
         commit = records["commit_us"].astype(np.int64)
         write = records["write_us"].astype(np.int64)
@@ -269,10 +283,12 @@ def build_vectors(
             commit[rows] = records["commit_us"]
             write[rows] = records["write_us"]
     if max_staleness_us is not None and len(rows):
-        too_old = (now_us - records["commit_us"]) > max_staleness_us
         if rebuilding:  # known short: no vector of the type is within a staleness bound
             too_old = np.ones(len(rows), dtype=np.bool_)
-        if too_old.any():
+        else:
+            too_old = (now_us - records["commit_us"]) > max_staleness_us
+        if np.count_nonzero(too_old):
+            stale = np.zeros(n, dtype=np.bool_)
             stale[rows[too_old]] = True
             fresh = ~too_old
             records = records[fresh]
@@ -302,23 +318,23 @@ def build_vectors(
     # A NaN stored in a float feature is no value: it reads as missing (the caller's
     # on_missing policy applies), like a feature the writer never had.
     nan = np.isnan(values)
-    if nan.any():
+    if np.count_nonzero(nan):  # a C call: ndarray.any() goes through Python first
         present = present & ~nan
-    return FeatureVectors(
-        entity=entity,
-        ids=ids,
-        features=projection.names,
-        region=region,
-        values=values,
-        present=present,
-        found=found,
-        stale=stale,
-        commit_time=commit.view(_MICROS),
-        write_time=write.view(_MICROS),
-        near_hits=near_hits,
-        rebuilding=rebuilding,
-        _records=records,
-        _rows=rows,
-        _projection=projection,
-        corrupt=corrupt,
+    return FeatureVectors(  # positional: the hot path's construction, in field order
+        entity,
+        ids,
+        projection.names,
+        region,
+        values,
+        present,
+        found,
+        stale,
+        commit.view(_MICROS),
+        write.view(_MICROS),
+        near_hits,
+        records,
+        rows,
+        projection,
+        corrupt,
+        rebuilding,
     )

@@ -72,10 +72,16 @@ def test_a_key_holding_a_hash_is_a_named_corrupt_entry_not_a_silent_miss(
         "eu-west", [home], [ITEM], registry=registry, timeout_s=READ_TIMEOUT_S
     ) as client:
         result = client.get("item", ["a", "h", "absent"])
+        # one id is read with GET, which tells the hash by its WRONGTYPE error
+        alone, absent = client.get("item", ["h"]), client.get("item", ["absent"])
     assert result.found.tolist() == [True, False, False]
     ((row, reason),) = result.corrupt  # "absent" is just absent
     assert row == 1 and "key 'ef:{item:h}' holds a Redis hash" in reason
-    assert _corrupt(registry, "wrong_type") == 1
+    assert alone.found.tolist() == [False] and absent.found.tolist() == [False]
+    ((row, reason),) = alone.corrupt
+    assert row == 0 and "key 'ef:{item:h}' holds a Redis hash" in reason
+    assert absent.corrupt == ()
+    assert _corrupt(registry, "wrong_type") == 2
 
 
 def test_nan_is_missing_whether_the_writer_or_someone_else_stored_it(

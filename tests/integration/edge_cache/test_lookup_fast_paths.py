@@ -1,0 +1,179 @@
+"""The sync face's fast paths answer exactly as its general path (real redis-server).
+
+One id is read with ``GET`` alone; several with ``MGET`` and ``EXISTS`` in one write.
+The sync face also keeps its connections checked out between calls instead of taking
+them from redis-py's pool each time. Neither may change what a lookup answers."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from edge_cache_stack import READ_TIMEOUT_S
+from prometheus_client import CollectorRegistry
+
+from edge_cache import (
+    FeatureClient,
+    FeatureSchema,
+    FeatureVectors,
+    FeatureWriter,
+    KeyLayout,
+    Position,
+    RegionSettings,
+    RegionUnavailableError,
+    Schedule,
+    Upsert,
+)
+
+pytestmark = pytest.mark.integration
+pytest_plugins = ["edge_cache_stack"]
+
+USER = FeatureSchema.of("user", ["a", "b", "c"], personal=True)
+TIMED = FeatureSchema.of("timed", ["w1", "w2"], slots=2)
+KEYS = KeyLayout()
+HOUR_US = 3_600_000_000
+
+
+def _same(one: FeatureVectors, many: FeatureVectors, row: int) -> None:
+    """Row 0 of ``one`` (read alone) is row ``row`` of ``many`` (read with others)."""
+    assert one.region == many.region and one.rebuilding == many.rebuilding
+    assert np.array_equal(one.values[0], many.values[row], equal_nan=True)
+    assert one.values.dtype == many.values.dtype
+    for name in ("present", "found", "stale"):
+        assert np.array_equal(getattr(one, name)[0], getattr(many, name)[row]), name
+    for name in ("commit_time", "write_time"):  # as integers: NaT is not equal to itself
+        assert getattr(one, name).view(np.int64)[0] == getattr(many, name).view(np.int64)[row]
+    assert one.to_dicts()[0] == many.to_dicts()[row]
+    assert [reason for _, reason in one.corrupt] == [
+        reason for index, reason in many.corrupt if index == row
+    ]
+
+
+def _seed(region: RegionSettings, writer: FeatureWriter, now: float) -> None:
+    now_us = int(now * 1e6)
+    old = now - 3600
+    writer.write(
+        [
+            Upsert("user", "full", {"a": 1.0, "b": 2.0, "c": 3.0}, Position(1), now),
+            Upsert("user", "partial", {"a": 1.5}, Position(1), now),
+            Upsert("user", "old", {"a": 4.0, "b": 5.0, "c": 6.0}, Position(1), old),
+            Upsert("user", "gone", {"a": 7.0}, Position(1), now),
+            Upsert(
+                "timed",
+                "taken",  # its first patch took over a minute ago
+                {"w1": 1.0, "w2": 1.0},
+                Position(1),
+                now,
+                schedule=Schedule(
+                    ((now_us - 60_000_000, {"w1": 2.0}), (now_us + HOUR_US, {"w1": 3.0})),
+                    now_us + 2 * HOUR_US,
+                ),
+            ),
+            Upsert(
+                "timed",
+                "waiting",  # its first patch takes over in a minute
+                {"w1": 1.0, "w2": 1.0},
+                Position(1),
+                now,
+                schedule=Schedule(((now_us + 60_000_000, {"w1": 2.0, "w2": 2.0}),), None),
+            ),
+        ]
+    )
+    writer.delete("user", "gone", Position(2), now)
+    with redis.Redis.from_url(region.redis_url) as plain:
+        plain.set(KEYS.key("user", "garbage"), b"EF\x01not a vector")
+        plain.hset(KEYS.key("user", "hash"), mapping={"a": "1"})
+        plain.set(KEYS.key("user", "nan"), plain.get(KEYS.key("user", "full")) or b"")
+        # a NaN stored by someone else: feature b of "nan" (float32 at offset 44)
+        plain.setrange(KEYS.key("user", "nan"), 44, np.float32("nan").tobytes())
+
+
+def test_one_id_reads_as_many_ids_do(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    home = regions[0].model_copy(update={"failover": []})
+    now = time.time()
+    _seed(home, make_writer(home, [USER, TIMED]), now)
+    users = ["full", "partial", "old", "gone", "absent", "garbage", "hash", "nan"]
+    registry = CollectorRegistry()
+    with FeatureClient(
+        "eu-west", [home], [USER, TIMED], registry=registry, timeout_s=READ_TIMEOUT_S
+    ) as client:
+        for bound in (None, 60.0):
+            many = client.get("user", users, max_staleness=bound)
+            for row, entity_id in enumerate(users):
+                _same(client.get("user", [entity_id], max_staleness=bound), many, row)
+            assert many.stale.tolist() == [False, False, bound is not None, *[False] * 5]
+        assert many.found.tolist() == [True, True, False, False, False, False, False, True]
+        assert [row for row, _ in many.corrupt] == [5, 6]
+        timed = ["taken", "waiting", "absent"]
+        for at in (None, now + 120, now + 2 * 3600 + 60):
+            many = client.get("timed", timed, at=at)
+            for row, entity_id in enumerate(timed):
+                _same(client.get("timed", [entity_id], at=at), many, row)
+        assert client.get("timed", timed).to_dicts()[:2] == [
+            {"w1": 2.0, "w2": None},
+            {"w1": 1.0, "w2": 1.0},
+        ]
+    # each wrong-typed and format-corrupt value counted once per call that met it
+    wrong = {"region": "eu-west", "entity": "user", "reason": "wrong_type"}
+    assert registry.get_sample_value("edgefeed_lookup_corrupt_values_total", wrong) == 4
+
+
+def _refusing_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_residency_refusal_reads_the_same_for_one_id_and_many(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    for region in regions:
+        make_writer(region, [USER]).upsert("user", "u1", {"a": 1.0}, Position(1), time.time())
+    dead = [
+        regions[0].model_copy(update={"redis_url": f"redis://127.0.0.1:{_refusing_port()}/0"}),
+        *regions[1:],
+    ]
+    errors: list[str] = []
+    for ids in (["u1"], ["u1", "u2"]):
+        with (
+            FeatureClient("eu-west", dead, [USER], timeout_s=READ_TIMEOUT_S) as client,
+            pytest.raises(RegionUnavailableError) as error,
+        ):
+            client.get("user", ids)
+        errors.append(str(error.value))
+    assert errors[0] == errors[1]
+    assert "us-east: not tried: zone 'us' is outside residency zone 'eu'" in errors[0]
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_not_a_region_failure(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    home = regions[0].model_copy(update={"failover": []})
+    make_writer(home, [USER]).upsert("user", "u1", {"a": 1.0}, Position(1), time.time())
+    registry = CollectorRegistry()
+    with FeatureClient(
+        "eu-west", [home], [USER], registry=registry, timeout_s=READ_TIMEOUT_S
+    ) as client:
+        for ids in (["u1"], ["u1", "u2"]):
+            assert client.get("user", ids).found[0]
+            with redis.Redis.from_url(home.redis_url) as admin:
+                assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+            # the idle connection now holds the server's close: taken again, it is
+            # reconnected first, as redis-py's pool would
+            result: Any = client.get("user", ids)
+            assert result.found[0] and result.region == "eu-west"
+        assert client.breakers["eu-west"].state == "closed"
+    failures = [
+        sample
+        for family in registry.collect()
+        if family.name == "edgefeed_lookup_region_failures"
+        for sample in family.samples
+    ]
+    assert failures == []
