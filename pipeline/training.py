@@ -168,35 +168,55 @@ async def topic_changes(
         ) from None
     try:
         known = await consumer.topics()
+        parts: list[TopicPartition] = []
         for table, topic in sorted(topics.items()):
-            if topic not in known:
+            partitions = consumer.partitions_for_topic(topic) if topic in known else None
+            if not partitions:
                 notes.append(f"{table}: topic {topic} does not exist: no history")
                 continue
-            parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+            parts += [TopicPartition(topic, p) for p in sorted(partitions)]
+        firsts: dict[TopicPartition, Change] = {}
+        skipped: dict[str, int] = {}
+        # Read to the ends as of now, and one fetch more (the broker's reported end can
+        # be the start of its last batch), or until nothing comes for idle_s: a topic
+        # still written does not keep the read going.
+        ends: dict[TopicPartition, int] = {}
+        if parts:
             consumer.assign(parts)
             await consumer.seek_to_beginning(*parts)
-            firsts: dict[int, Change] = {}
-            skipped = 0
-            while batch := await consumer.getmany(timeout_ms=int(idle_s * 1000), max_records=5000):
-                for tp, messages in batch.items():
-                    for message in messages:
-                        try:
-                            change = decode_change(message.value or b"", offset=message.offset)
-                        except PoisonEventError:
-                            skipped += 1
-                            continue
-                        if change is not None:
-                            firsts.setdefault(tp.partition, change)
-                            changes.append(change)
-            if any(c.op != "r" or c.snapshot in (None, "incremental") for c in firsts.values()):
+            ends = await consumer.end_offsets(parts)
+        behind = {tp for tp in parts if ends.get(tp, 0) > 0}
+        rounds_after = 2 if parts else 0
+        while behind or rounds_after:
+            if not behind:
+                rounds_after -= 1
+            batch = await consumer.getmany(timeout_ms=int(idle_s * 1000), max_records=5000)
+            if not batch:
+                break
+            for tp, messages in batch.items():
+                if messages and messages[-1].offset + 1 >= ends[tp]:
+                    behind.discard(tp)
+                for message in messages:
+                    try:
+                        change = decode_change(message.value or b"", offset=message.offset)
+                    except PoisonEventError:
+                        skipped[tp.topic] = skipped.get(tp.topic, 0) + 1
+                        continue
+                    if change is not None:
+                        firsts.setdefault(tp, change)
+                        changes.append(change)
+        for table, topic in sorted(topics.items()):
+            begun = [c for tp, c in firsts.items() if tp.topic == topic]
+            if any(c.op != "r" or c.snapshot in (None, "incremental") for c in begun):
                 notes.append(
                     f"{table}: topic {topic} does not begin with the connector's initial "
                     "snapshot (retention): rows committed before its first record are missing"
                 )
-            if skipped:
-                notes.append(f"{table}: {skipped} undecodable records skipped (dead letters)")
+            if skipped.get(topic):
+                notes.append(f"{table}: {skipped[topic]} undecodable records skipped")
     finally:
-        await consumer.stop()
+        with suppress(Exception):
+            await asyncio.wait_for(consumer.stop(), 10)
     return changes, notes
 
 

@@ -543,88 +543,141 @@ def test_a_deleted_users_remaining_events_are_served_nowhere_and_verify_agrees(
     assert (vector(run, "us-east", "item", 950) or {}).get("views_1h") == 1
 
 
-def test_a_training_set_gives_what_the_cache_served_at_each_read_time(
-    pipeline_run: PipelineRun, tmp_path: Path
+Sample = tuple[int, datetime, dict[str, Any] | None]
+
+
+def add_users(run: PipelineRun, homes: dict[int, str], *ids: int) -> None:
+    for uid in ids:
+        sql(
+            run,
+            "INSERT INTO {s}.users (user_id, home_region, country, segment, email) "
+            "VALUES (%s, %s, 'DE', %s, 'x@example.org')",
+            (uid, homes[uid], uid % 4),
+        )
+
+
+def live_load(
+    run: PipelineRun, homes: dict[int, str], users: list[int], rng: random.Random, updates: bool
 ) -> None:
-    """Issue 32: read times sampled during a live load (inserts, late events among them);
-    at each, the vectors the lookup client serves once the workers have applied every
-    change committed so far; then ``features history`` at the same times, after more
-    load (late events whose event times precede the samples): the same values, exactly
-    (the cache's float32 and the file's float32 are the same numbers), and nulls where the
-    user did not exist yet."""
-    run = pipeline_run
-    homes = {9501 + i: run.settings.region_names[i % 2] for i in range(5)}
-    rng = random.Random(32)
+    """Ten small transactions of events (one in four ten minutes late), and with
+    ``updates`` a user's segment changed in each."""
+    with psycopg.connect(run.settings.database.dsn()) as conn:
+        for _ in range(10):
+            with conn.transaction():
+                for _ in range(3):
+                    uid, item = rng.choice(users), rng.randrange(300, 310)
+                    conn.execute(
+                        "INSERT INTO {s}.events (user_id, item_id, category_id, price, "
+                        "home_region, kind, occurred_at) VALUES (%s, %s, %s, %s, %s, %s, "
+                        "now() - make_interval(secs => %s))".replace("{s}", run.schema),
+                        (
+                            uid,
+                            item,
+                            item % 4,
+                            f"{rng.uniform(1, 50):.2f}",
+                            homes[uid],
+                            rng.choice(["view", "view", "click", "add_to_cart", "purchase"]),
+                            rng.choice([0, 0, 0, 600]),
+                        ),
+                    )
+                if updates:
+                    conn.execute(
+                        f"UPDATE {run.schema}.users SET segment = %s WHERE user_id = %s",
+                        (rng.randrange(4), rng.choice(users)),
+                    )
+            time.sleep(0.03)
 
-    def add_users(*ids: int) -> None:
-        for uid in ids:
-            sql(
-                run,
-                "INSERT INTO {s}.users (user_id, home_region, country, segment, email) "
-                "VALUES (%s, %s, 'DE', %s, 'x@example.org')",
-                (uid, homes[uid], uid % 4),
-            )
 
-    def load(users: list[int], transactions: int) -> None:
-        with psycopg.connect(run.settings.database.dsn()) as conn:
-            for _ in range(transactions):
-                with conn.transaction():
-                    for _ in range(3):
-                        uid, item = rng.choice(users), rng.randrange(300, 310)
-                        conn.execute(
-                            "INSERT INTO {s}.events (user_id, item_id, category_id, price, "
-                            "home_region, kind, occurred_at) VALUES (%s, %s, %s, %s, %s, %s, "
-                            "now() - make_interval(secs => %s))".replace("{s}", run.schema),
-                            (
-                                uid,
-                                item,
-                                item % 4,
-                                f"{rng.uniform(1, 50):.2f}",
-                                homes[uid],
-                                rng.choice(["view", "view", "click", "add_to_cart", "purchase"]),
-                                rng.choice([0, 0, 0, 600]),  # one in four: 10 minutes late
-                            ),
-                        )
-                time.sleep(0.03)
+def served_now(run: PipelineRun, homes: dict[int, str]) -> list[Sample]:
+    """Once the caches hold every change committed so far: the vectors the lookup
+    client serves now, with the read time."""
+    wait_for("the caches caught up", lambda: verify(run.settings).ok, timeout_s=120)
+    at = datetime.now(UTC)
+    samples: list[Sample] = []
+    for region in sorted(set(homes.values())):
+        ids = sorted(u for u in homes if homes[u] == region)
+        client = feature_client(run.settings, region, timeout_s=5)
+        try:
+            got = client.get("user", ids, at=at)
+            for uid, found, values in zip(ids, got.found, got.to_dicts(), strict=True):
+                samples.append((uid, at, values if found else None))
+        finally:
+            client.close()
+    return samples
 
-    add_users(9501, 9502, 9503, 9504)
-    samples: list[tuple[int, datetime, dict[str, Any] | None]] = []
-    for phase in range(3):
-        if phase == 1:
-            add_users(9505)  # sampled at phase 0: before it existed
-        load([u for u in homes if phase > 0 or u != 9505], 10)
-        wait_for("the caches caught up", lambda: verify(run.settings).ok, timeout_s=120)
-        at = datetime.now(UTC)
-        for region in sorted(set(homes.values())):
-            ids = sorted(u for u in homes if homes[u] == region)
-            client = feature_client(run.settings, region, timeout_s=5)
-            try:
-                got = client.get("user", ids, at=at)
-                for uid, found, values in zip(ids, got.found, got.to_dicts(), strict=True):
-                    samples.append((uid, at, values if found else None))
-            finally:
-                client.close()
-    load(list(homes), 10)  # committed after every sample; late ones with earlier event times
 
-    spine = tmp_path / "spine.parquet"
+def assert_history_is_what_was_served(
+    run: PipelineRun, samples: list[Sample], folder: Path, source: str
+) -> list[str]:
+    """``features history`` (from ``source``) at the samples' read times gives exactly
+    the vectors served then (every feature null where none was); its notes."""
+    spine = folder / f"spine-{source}.parquet"
+    stamps = pa.array([at for _, at, _ in samples], pa.timestamp("us", tz="UTC"))
+    uids = [uid for uid, _, _ in samples]
     pq.write_table(
-        pa.table(
-            {
-                "user_id": [uid for uid, _, _ in samples],
-                "timestamp": pa.array([at for _, at, _ in samples], pa.timestamp("us", tz="UTC")),
-                "label": list(range(len(samples))),
-            }
-        ),
-        spine,
+        pa.table({"user_id": uids, "timestamp": stamps, "label": range(len(uids))}), spine
     )
-    out = tmp_path / "train.parquet"
-    report = build_training_set(run.settings, "user", spine, out, batch_rows=4)
-    assert report.notes == []  # every row's commit time known: exact
+    out = folder / f"train-{source}.parquet"
+    report = build_training_set(run.settings, "user", spine, out, batch_rows=4, source=source)
     rows = pq.read_table(out).to_pylist()
     assert [row["label"] for row in rows] == list(range(len(samples)))
     features = [f for f in rows[0] if f not in ("user_id", "timestamp", "label")]
     for row, (uid, at, served) in zip(rows, samples, strict=True):
         expected = served or dict.fromkeys(features)  # not served: every feature null
-        assert {f: row[f] for f in features} == expected, (uid, at)
-    assert [served for uid, _, served in samples[:5] if uid == 9505] == [None]  # not yet
+        assert {f: row[f] for f in features} == expected, (source, uid, at)
     assert sum(served["views_30m"] or 0 for _, _, served in samples if served) > 0
+    return report.notes
+
+
+def test_a_training_set_gives_what_the_cache_served_at_each_read_time(
+    pipeline_run: PipelineRun, tmp_path: Path
+) -> None:
+    """Issue 32: read times sampled during a live load of inserts (late events among
+    them); at each, the vectors the lookup client serves once the workers have applied
+    every change committed so far; then ``features history`` from the tables at the same
+    times, after more load (late events whose event times precede the samples): the
+    same values, exactly (the cache's float32 and the file's float32 are the same
+    numbers), and nulls where the user did not exist yet."""
+    run = pipeline_run
+    homes = {9501 + i: run.settings.region_names[i % 2] for i in range(5)}
+    rng = random.Random(32)
+    add_users(run, homes, 9501, 9502, 9503, 9504)
+    samples: list[Sample] = []
+    for phase in range(3):
+        if phase == 1:
+            add_users(run, homes, 9505)  # sampled at phase 0: before it existed
+        live_load(run, homes, [u for u in homes if phase > 0 or u != 9505], rng, updates=False)
+        samples += served_now(run, homes)
+    live_load(run, homes, list(homes), rng, updates=False)  # after every sample
+    notes = assert_history_is_what_was_served(run, samples, tmp_path, "tables")
+    assert notes == []  # every row's commit time known: exact
+    assert [served for uid, _, served in samples[:5] if uid == 9505] == [None]  # not yet
+
+
+def test_a_training_set_from_the_change_topics_is_exact_across_updates_and_deletes(
+    pipeline_run: PipelineRun, tmp_path: Path
+) -> None:
+    """The same with users' segments updated during the load and a user deleted: the
+    tables keep only current rows, the CDC topics every version, and ``features history
+    --source topics`` gives what was served at every sample, the deleted user's earlier
+    vectors included."""
+    run = pipeline_run
+    homes = {9511 + i: run.settings.region_names[i % 2] for i in range(4)}
+    rng = random.Random(33)
+    add_users(run, homes, *homes)
+    samples: list[Sample] = []
+    for phase in range(3):
+        if phase == 2:
+            sql(run, "DELETE FROM {s}.users WHERE user_id = 9512")
+        live_load(run, homes, [u for u in homes if phase < 2 or u != 9512], rng, updates=True)
+        samples += served_now(run, homes)
+    live_load(run, homes, [9511, 9513, 9514], rng, updates=True)  # after every sample
+    assert_history_is_what_was_served(run, samples, tmp_path, "topics")
+    deleted = [served is None for uid, _, served in samples if uid == 9512]
+    assert deleted == [False, False, True]
+    changed = [
+        uid
+        for uid in homes
+        if len({served["segment"] for u, _, served in samples if u == uid and served}) > 1
+    ]
+    assert changed  # some segment moved between read times: earlier versions were needed
