@@ -40,3 +40,19 @@ def test_lookup_benchmark_smoke(tmp_path: Path) -> None:
             assert results["cases"][f"plain redis-py {sync} {size}"]["calls"] >= 20
     assert results["feast"].startswith("skipped")
     assert "edgefeed/plain p99 100x50" in results["ratios"]
+
+
+def test_lookup_profile_smoke(tmp_path: Path) -> None:
+    """benchmarks/lookup_profile.py: every case reads back the written values (it raises
+    otherwise) and each part of a call is timed."""
+    script = SCRIPT.with_name("lookup_profile.py")
+    spec = importlib.util.spec_from_file_location("edgefeed_bench_lookup_profile", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "profile.json"
+    for options in (["--ids", "3", "--scheduled"], ["--ids", "1"]):
+        results = module.main(["--smoke", *options, "--json", str(out)])
+        assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+        assert len(results["p50_us"]) == 4 and all(v > 0 for v in results["p50_us"].values())
+        assert set(results["hot_us"]) >= {"plan (validate, keys)", "decode", "metrics (record)"}
