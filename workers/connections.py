@@ -205,9 +205,10 @@ class GuardedTCPSite(web.BaseSite):
         backlog: Listen backlog.
         ssl_context: Serve TLS with it (the handshake must finish within the
             guard's header timeout).
+        reuse_port: Bind with ``SO_REUSEPORT`` (several processes on one port).
     """
 
-    __slots__ = ("_bound_port", "_guard", "_host", "_port", "_tls")
+    __slots__ = ("_bound_port", "_guard", "_host", "_port", "_reuse_port", "_tls")
 
     def __init__(
         self,
@@ -218,9 +219,11 @@ class GuardedTCPSite(web.BaseSite):
         *,
         backlog: int = 128,
         ssl_context: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._tls = ssl_context
+        self._reuse_port = reuse_port
         self._host = host
         self._port = port
         self._guard = guard
@@ -247,6 +250,7 @@ class GuardedTCPSite(web.BaseSite):
             self._port,
             backlog=self._backlog,
             ssl=self._tls,
+            reuse_port=self._reuse_port or None,
             ssl_handshake_timeout=self._guard.header_timeout_s if self._tls else None,
         )
         sockets = self._server.sockets

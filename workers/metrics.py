@@ -5,6 +5,11 @@ root supplies it, nothing registers at import. :class:`WorkerMetrics` registers
 its series on the registry it is given (a fresh private one when none is, so
 two servers in one process never collide); :class:`~workers.server.InferenceServer`
 takes that registry from its caller.
+
+Several worker processes on one port (:mod:`workers.supervisor`) write their
+series to the supervisor's multiprocess directory; the gauges say how they add
+up there: queue depth and connections sum over living processes, readiness is
+their minimum.
 """
 
 from __future__ import annotations
@@ -117,12 +122,14 @@ class WorkerMetrics:
             "Requests waiting for a batch",
             labels,
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.ready = Gauge(
             "edgefeed_worker_ready",
-            "1 when the worker accepts requests",
+            "1 when the worker accepts requests (several processes: all of them)",
             ["region"],
             registry=self.registry,
+            multiprocess_mode="livemin",
         )
         self.nonfinite_outputs = Counter(
             "edgefeed_worker_nonfinite_outputs",
@@ -147,6 +154,7 @@ class WorkerMetrics:
             "Open client connections",
             ["region"],
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.connections_refused = Counter(
             "edgefeed_worker_connections_refused",

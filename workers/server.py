@@ -23,6 +23,7 @@ Endpoints:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import json
@@ -69,6 +70,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.base import ServedModel
 from workers.runtime import ModelRunner, RuntimeConfig
 from workers.security import TokenAuth, server_tls_context
+from workers.supervisor import Cluster
 from workers.timing import (
     HEADER_DEADLINE_MS,
     HEADER_TIMING_DETAIL,
@@ -125,6 +127,8 @@ class ServerConfig:
         auth_protect_probes: Also require the token on ``/healthz`` and ``/readyz``.
         tls_cert_file: PEM certificate chain: serve HTTPS (with ``tls_key_file``).
         tls_key_file: PEM private key of ``tls_cert_file``.
+        reuse_port: Bind with ``SO_REUSEPORT``, beside the other processes of
+            one supervisor (:mod:`workers.supervisor`).
     """
 
     host: str = "127.0.0.1"
@@ -141,6 +145,7 @@ class ServerConfig:
     auth_protect_probes: bool = False
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -229,6 +234,10 @@ class InferenceServer:
         config: Listening address, limits, region.
         registry: Prometheus registry served at ``/metrics`` (the composition root's,
             shared with the model's lookup client); default: a new one.
+        cluster: When this server is one child of a
+            :class:`~workers.supervisor.Supervisor`: ``/readyz`` is 200 only when
+            every child is ready, ``/healthz`` counts them, and ``/metrics`` serves
+            the sum over children (prometheus-client's multiprocess mode).
     """
 
     def __init__(
@@ -239,7 +248,18 @@ class InferenceServer:
         batching: BatchingConfig | None = None,
         config: ServerConfig | None = None,
         registry: CollectorRegistry | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
+        self.cluster = cluster
+        self._scrape: CollectorRegistry | None = None
+        if cluster is not None:
+            # The children's series live in the supervisor's directory; the registry
+            # the server writes to is not the one a scrape reads (that would count
+            # this child twice).
+            from prometheus_client import multiprocess
+
+            self._scrape = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._scrape)  # type: ignore[no-untyped-call]
         self.runtime = runtime or RuntimeConfig()
         self.batching = batching or BatchingConfig()
         self.config = config or ServerConfig()
@@ -280,6 +300,11 @@ class InferenceServer:
         self._site: GuardedTCPSite | None = None
         self._warmup: asyncio.Task[None] | None = None
         self._gc_started = 0.0
+        # Several processes: GC pauses wait here for the event loop (see _on_gc).
+        self._gc_pending: collections.deque[tuple[int, float]] | None = (
+            None if cluster is None else collections.deque(maxlen=10_000)
+        )
+        self._gc_flush: asyncio.TimerHandle | None = None
         self._gc_pauses = [
             self.metrics.gc_pause.labels(self.config.region, str(generation))
             for generation in range(3)
@@ -335,11 +360,18 @@ class InferenceServer:
         )
         await self._runner.setup()
         self._site = GuardedTCPSite(
-            self._runner, self.config.host, self.config.port, self._guard, ssl_context=self._tls
+            self._runner,
+            self.config.host,
+            self.config.port,
+            self._guard,
+            ssl_context=self._tls,
+            reuse_port=self.config.reuse_port,
         )
         await self._site.start()
         self.port = self._site.port
         gc.callbacks.append(self._on_gc)  # removed by stop()
+        if self._gc_pending is not None:
+            self._flush_gc()
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
         if wait_ready:
             try:
@@ -410,6 +442,8 @@ class InferenceServer:
             gc.freeze()
         self._ready = True
         self.metrics.ready.labels(self.config.region).set(1)
+        if self.cluster is not None:
+            self.cluster.mark_ready(True)
 
     async def stop(self) -> None:
         """Drain: refuse new requests (503), finish queued ones, close the listener.
@@ -421,6 +455,8 @@ class InferenceServer:
         self._stopped = True
         self._draining = True
         self.metrics.ready.labels(self.config.region).set(0)
+        if self.cluster is not None:
+            self.cluster.mark_ready(False)
         if self._warmup is not None:
             if not self._warmup.done():
                 self._warmup.cancel()
@@ -438,6 +474,8 @@ class InferenceServer:
             self._runner = None
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
+        if self._gc_flush is not None:
+            self._gc_flush.cancel()
         for slot in self._slots.values():
             await slot.model.aclose()
 
@@ -452,8 +490,24 @@ class InferenceServer:
         # Runs inside the collector, on whichever thread triggered it: no allocation-heavy work.
         if phase == "start":
             self._gc_started = time.perf_counter()
-        else:
+        elif self._gc_pending is None:
             self._gc_pauses[info["generation"]].observe(time.perf_counter() - self._gc_started)
+        else:
+            # Multiprocess values share one non-reentrant lock, and a collection can
+            # start while it is held (a metric's mmap write allocates): observing here
+            # would deadlock. Kept aside, observed by _flush_gc on the event loop.
+            self._gc_pending.append((info["generation"], time.perf_counter() - self._gc_started))
+
+    def _flush_gc_now(self) -> None:
+        pending = self._gc_pending
+        while pending:
+            generation, seconds = pending.popleft()
+            self._gc_pauses[generation].observe(seconds)
+
+    def _flush_gc(self) -> None:
+        self._flush_gc_now()
+        if not self._stopped:
+            self._gc_flush = asyncio.get_running_loop().call_later(1.0, self._flush_gc)
 
     # -- handlers ---------------------------------------------------------
 
@@ -689,20 +743,39 @@ class InferenceServer:
             {"region": self.config.region, "ready": self.ready, "models": models}
         )
 
+    def _processes(self) -> dict[str, int]:
+        assert self.cluster is not None
+        return {"ready": self.cluster.ready_count(), "expected": self.cluster.processes}
+
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        # Stays 200 while a sibling restarts: the supervisor replaces children, and a
+        # liveness failure would have the orchestrator restart all of them.
+        if self.cluster is None:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", "processes": self._processes()})
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        if self.ready:
-            return web.json_response({"ready": True})
-        reason = "draining" if self._draining else "warming up"
-        return web.json_response(
-            {"ready": False, "reason": reason}, status=503, headers={"Retry-After": "1"}
-        )
+        if self.ready and (self.cluster is None or self.cluster.all_ready()):
+            if self.cluster is None:
+                return web.json_response({"ready": True})
+            return web.json_response({"ready": True, "processes": self._processes()})
+        body: dict[str, Any] = {"ready": False}
+        if self._draining:
+            body["reason"] = "draining"
+        elif not self.ready:
+            body["reason"] = "warming up"
+        else:
+            counts = self._processes()
+            body["reason"] = f"{counts['ready']} of {counts['expected']} worker processes ready"
+        if self.cluster is not None:
+            body["processes"] = self._processes()
+        return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self._gc_pending:
+            self._flush_gc_now()
         return web.Response(
-            body=generate_latest(self.metrics.registry),
+            body=generate_latest(self._scrape or self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
 

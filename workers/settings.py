@@ -36,6 +36,9 @@ class WorkerSettings(BaseSettings):
     asked for within ``coalesce_turns`` event loop turns share one lookup per
     entity (:class:`~workers.features.EdgeCacheFeatureSource`); fewer turns favour
     the median at moderate load, more favour throughput and tails.
+    ``processes``: worker processes serving the port (None: one per core this
+    process may use, :func:`~workers.supervisor.default_processes`); 1 is one
+    process with no supervisor.
     """
 
     model_config = SettingsConfigDict(env_prefix="EDGEFEED_WORKERS_", extra="forbid", frozen=True)
@@ -68,6 +71,17 @@ class WorkerSettings(BaseSettings):
     auth_protect_probes: bool = False
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    processes: int | None = Field(default=None, ge=1, le=1024)
+
+    def process_count(self) -> int:
+        """Worker processes to run: the setting, else one per available core.
+
+        Raises:
+            WorkerConfigError: more than one off Linux (see :func:`check_processes`).
+        """
+        from workers.supervisor import check_processes, default_processes
+
+        return check_processes(self.processes or default_processes())
 
     def batch_rows(self, model_default: int = 32) -> int:
         """Rows per forward pass: the setting, else the served model's default."""

@@ -55,9 +55,15 @@ def settings_of(ctx: typer.Context) -> EdgefeedSettings:
     cannot is no error here (a command that never uses it must run without it);
     the component that needs it raises ``SecretSourceError`` naming the setting.
     """
+    return settings_at(settings_path_of(ctx))
+
+
+def settings_at(path: Path | None) -> EdgefeedSettings:
+    """:func:`settings_of` for the settings file at ``path`` (None: the defaults), for
+    code without the command's context (a worker process of a supervisor)."""
     from edgefeed.settings import load_settings, secrets_of  # imports every domain's settings
 
-    settings = run_reported(lambda: load_settings(settings_path_of(ctx)))
+    settings = run_reported(lambda: load_settings(path))
     # SecretStr fields dump as "****"; the values come from their sources.
     _SECRETS.update(s for s in secrets_of(settings.model_dump(mode="json")) if s.strip("*"))
     _SECRETS.update(settings.database.secrets())

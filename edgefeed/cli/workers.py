@@ -6,20 +6,31 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from edgefeed.cli._common import console, err_console, fail, run_reported, settings_of
+from edgefeed.cli._common import (
+    console,
+    err_console,
+    fail,
+    run_reported,
+    settings_at,
+    settings_of,
+    settings_path_of,
+)
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from edgefeed.settings import EdgefeedSettings
     from workers.features import FeatureSource
     from workers.models import RankerConfig, ServedModel
     from workers.server import InferenceServer
+    from workers.supervisor import ChildSlot
 
 __all__ = ["register"]
 
@@ -42,7 +53,7 @@ RegionOpt = Annotated[
 
 
 def _feature_factory(
-    ctx: typer.Context,
+    load_settings: Callable[[], EdgefeedSettings],
     region: str,
     registry: CollectorRegistry | None = None,
     concurrency: int = 256,
@@ -62,7 +73,7 @@ def _feature_factory(
         from edgefeed.lookup import feature_schemas
         from workers.features import EdgeCacheFeatureSource, pool_size
 
-        settings = settings_of(ctx)
+        settings = load_settings()
         run_reported(lambda: settings.region(region))
         schemas = feature_schemas(settings)
         declared = {schema.entity for schema in schemas}
@@ -84,7 +95,7 @@ def _feature_factory(
 
 
 def _load_model(
-    ctx: typer.Context,
+    load_settings: Callable[[], EdgefeedSettings],
     name: str,
     region: str,
     weights: Path | None,
@@ -102,7 +113,7 @@ def _load_model(
 
     shape = tuple(int(part) for part in input_shape.split(",")) if input_shape else ()
     features = (
-        _feature_factory(ctx, region, registry, concurrency, coalesce_turns)
+        _feature_factory(load_settings, region, registry, concurrency, coalesce_turns)
         if name == "ranker" and model_file is None
         else None
     )
@@ -202,6 +213,14 @@ def serve(
             "(default 4; EDGEFEED_WORKERS_COALESCE_LOOKUPS=false turns it off).",
         ),
     ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Worker processes on the port, each with its own model and batcher, under "
+            "one supervisor (default: one per core available; 1: one process, no supervisor).",
+        ),
+    ] = None,
 ) -> None:
     """Serve one model over HTTP until SIGINT/SIGTERM, then drain."""
     from prometheus_client import CollectorRegistry
@@ -223,11 +242,13 @@ def serve(
         tls_key_file=tls_key,
         event_loop=event_loop,
         coalesce_turns=coalesce_turns,
+        processes=processes,
     )
+    count = run_reported(settings.process_count)
     # the composition root: one registry for the worker's and its lookup client's metrics
     registry = CollectorRegistry()
     served = _load_model(
-        ctx,
+        lambda: settings_of(ctx),
         model,
         region,
         weights,
@@ -260,6 +281,19 @@ def serve(
     )
 
     loop_name = run_reported(lambda: event_loop_name(settings.event_loop))
+    if count > 1:
+        # Everything a child would refuse is refused here first (model, settings, token,
+        # TLS files, device and precision), with the one-process path's messages.
+        _check_device(settings)
+        spec = _ChildSpec(
+            settings_path_of(ctx),
+            settings,
+            (model, region, weights, model_file, kind, input_shape, input_dtype, labels),
+        )
+        del server, served
+        described = f"{count} processes; {rows} rows per batch; event loop {loop_name}"
+        _serve_supervised(spec, count, model, region, described, security)
+        return
 
     def announce(running: InferenceServer) -> None:
         err_console.print(
@@ -271,6 +305,91 @@ def serve(
         )
 
     run_reported(lambda: run_on_loop(run_server(server, announce), settings.event_loop))
+
+
+def _check_device(settings: Any) -> None:
+    from workers.runtime import resolve_device, resolve_precision
+
+    run_reported(lambda: resolve_precision(settings.precision, resolve_device(settings.device)))
+
+
+@dataclass(frozen=True, slots=True)
+class _ChildSpec:
+    """What a worker process of a supervisor needs to build its server (picklable)."""
+
+    settings_path: Path | None
+    settings: Any  # WorkerSettings
+    model_args: tuple[Any, ...]  # _load_model's positional arguments after the settings
+
+
+def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
+    """One child of ``edgefeed workers serve --processes N``: serve until SIGTERM."""
+    import dataclasses
+
+    from prometheus_client import CollectorRegistry
+
+    from edgefeed.errors import EdgefeedError
+    from workers.server import InferenceServer, run_on_loop, run_server
+    from workers.supervisor import Cluster
+
+    settings = spec.settings
+    registry = CollectorRegistry()
+    try:
+        served = _load_model(
+            lambda: settings_at(spec.settings_path),
+            *spec.model_args,
+            registry=registry,
+            concurrency=settings.max_queue_size,
+            coalesce_turns=settings.coalesce_turns if settings.coalesce_lookups else None,
+        )
+        rows = served.default_max_batch_size
+        config = dataclasses.replace(
+            settings.server(spec.model_args[1]), port=slot.port, reuse_port=True
+        )
+        server = InferenceServer(
+            [served],
+            runtime=settings.runtime(rows),
+            batching=settings.batching(rows),
+            config=config,
+            registry=registry,
+            cluster=Cluster(slot),
+        )
+        run_on_loop(run_server(server), settings.event_loop)
+    except typer.Exit as exc:  # run_reported printed the error
+        slot.report(RuntimeError(f"exit status {exc.exit_code}; its error is printed above"))
+        return exc.exit_code
+    except EdgefeedError as exc:
+        slot.report(exc)
+        fail(exc)
+    return 0
+
+
+def _serve_supervised(
+    spec: _ChildSpec, count: int, model: str, region: str, described: str, security: str
+) -> None:
+    from functools import partial
+
+    from workers.supervisor import Supervisor
+
+    settings = spec.settings
+    scheme = "http" if settings.tls_cert_file is None else "https"
+    supervisor = Supervisor(
+        partial(_serve_child, spec),
+        processes=count,
+        host=settings.host,
+        port=settings.port,
+        drain_timeout_s=settings.drain_timeout_s,
+    )
+
+    def announce(running: Supervisor) -> None:
+        err_console.print(
+            f"serving {model!r} for region {region!r} at {scheme}://{settings.host}:"
+            f"{running.port} ({described}; pids {', '.join(map(str, running.pids()))}"
+            f"{'; ' + security if security else ''})",
+            soft_wrap=True,
+        )
+
+    run_reported(lambda: supervisor.run(announce))
 
 
 def print_bench(summary: dict[str, Any], title: str) -> None:
@@ -417,7 +536,9 @@ def bench(
             raise typer.Exit(1) from None
     else:
         settings = _worker_settings(port=0, max_batch_size=max_batch_size, precision=precision)
-        served = _load_model(ctx, model, region, None, None, "tensor", None, "float32", None)
+        served = _load_model(
+            lambda: settings_of(ctx), model, region, None, None, "tensor", None, "float32", None
+        )
         summary = run_reported(
             lambda: asyncio.run(_bench_local(served, settings, region, **kwargs))
         )

@@ -71,13 +71,18 @@ class WorkerProcess:
 
 @contextmanager
 def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[WorkerProcess]:
-    """Start `edgefeed workers serve ARGS --port 0 --device cpu`; stop it (SIGTERM) after."""
+    """Start `edgefeed workers serve ARGS --port 0 --device cpu`; stop it (SIGTERM) after.
+
+    One process (``--processes 1``, today's worker) unless ``args`` say how many.
+    """
+    processes = () if "--processes" in args else ("--processes", "1")
     process = subprocess.Popen(
         [
             EDGEFEED,
             "workers",
             "serve",
             *args,
+            *processes,
             "--region",
             "local",
             "--port",
