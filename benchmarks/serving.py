@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/serving.py --baseline-ref main   # the tree to compare with
     .venv/bin/python benchmarks/serving.py --smoke               # seconds; the test suite runs it
     .venv/bin/python benchmarks/serving.py --rate 600            # the same 8 clients, paced
+    .venv/bin/python benchmarks/serving.py --processes 2         # 'after' on 2 processes
 
 What it runs, all on loopback:
 
@@ -166,9 +167,20 @@ class Worker:
         self._pump.start()
 
     def cpu_s(self) -> float:
-        """User + system CPU seconds the worker process has used (all its threads)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU seconds the worker has used: all threads of its process
+        and of its living children (``--processes N``)."""
+        total = 0.0
+        todo = [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:  # gone meanwhile
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            todo += [int(kid) for kid in kids]
+        return total
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
@@ -270,6 +282,12 @@ def _extract(ref: str, into: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
+def _one_process(tree: Path) -> list[str]:
+    """``--processes 1`` where ``tree``'s CLI has the option (older trees are one process)."""
+    cli = (tree / "edgefeed" / "cli" / "workers.py").read_text()
+    return ["--processes", "1"] if "--processes" in cli or "processes:" in cli else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="ranker serving overhead, before and after")
     parser.add_argument("--smoke", action="store_true", help="tiny run (seconds)")
@@ -282,6 +300,13 @@ def main() -> None:
         type=float,
         default=None,
         help="pace the clients to this many requests/s (default: closed loop, as fast as answered)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="worker processes of the 'after' worker (edgefeed workers serve --processes); "
+        "'before' runs one process",
     )
     parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
     args = parser.parse_args()
@@ -324,19 +349,19 @@ def main() -> None:
                 capture_output=True,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
             )
-            variants: dict[str, tuple[Path, dict[str, str]]] = {}
+            variants: dict[str, tuple[Path, list[str]]] = {}
             if args.baseline_ref:
                 before = work / "before"
                 before.mkdir()
                 _extract(args.baseline_ref, before)
-                variants["before"] = (before, {})
-            variants["after"] = (ROOT, {})
+                variants["before"] = (before, _one_process(before))
+            variants["after"] = (ROOT, ["--processes", str(args.processes)])
             workers: dict[str, Worker] = {}
             parts: dict[str, list[LoadResult]] = {name: [] for name in variants}
             cpu: dict[str, float] = dict.fromkeys(variants, 0.0)
             try:
-                for name, (tree, env) in variants.items():
-                    workers[name] = Worker(name, tree, settings, [], env)
+                for name, (tree, extra) in variants.items():
+                    workers[name] = Worker(name, tree, settings, extra, {})
                 for _ in range(args.rounds):
                     for name, worker in workers.items():
                         used = worker.cpu_s()

@@ -304,9 +304,12 @@ def make_server(kind: str, case: ModelCase, args: argparse.Namespace) -> Server:
             str(args.delay_ms),
             "--max-queue-size",
             "1024",
+            "--processes",
+            str(args.processes),
         ]
         env = {"EDGEFEED_WORKERS_CPU_THREADS": str(args.threads), "EDGEFEED_WORKERS_COMPILE": "off"}
         config = {
+            "processes": args.processes,
             "max_batch_size_rows": args.max_rows,
             "max_queue_delay_ms": args.delay_ms,
             "max_queue_size": 1024,

@@ -13,9 +13,11 @@ shipped weights, exported once to TorchScript, are served by
 * Triton through PyTriton (``.venv-pytriton``), Triton's dynamic batcher;
 
 each on the CPU with one torch thread, a batch of up to ``--max-rows`` rows and
-a ``--delay-ms`` batching window. Before anything is timed, every server's
-answers to the same probe requests are checked against the eager PyTorch
-module (same scores within float tolerance). Then one closed-loop client
+a ``--delay-ms`` batching window; ``--processes N`` runs edgefeed as N worker
+processes on its port (issue 35; the peers keep one instance, LitServe one
+worker, Triton one model instance, as in every earlier run). Before anything
+is timed, every server's answers to the same probe requests are checked against
+the eager PyTorch module (same scores within float tolerance). Then one closed-loop client
 (loadgen.py) drives each server at each concurrency for the same duration
 after the same warm-up. All servers of a model run at once but only the one
 being measured is scheduled: the others are stopped with SIGSTOP (their whole
@@ -346,6 +348,13 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=64, help="rows per forward pass")
     parser.add_argument("--delay-ms", type=float, default=2.0, help="batching window")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="edgefeed worker processes on the port (edgefeed workers serve --processes); "
+        "the peers keep their one instance",
+    )
     parser.add_argument("--probes", type=int, default=32, help="agreement-check requests")
     parser.add_argument("--atol", type=float, default=1e-4)
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
