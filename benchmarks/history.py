@@ -16,6 +16,7 @@ both the values must agree (checked, float32 rounding).
 
     .venv/bin/python benchmarks/history.py                       # 100k spine rows
     .venv/bin/python benchmarks/history.py --spine 1000000
+    .venv/bin/python benchmarks/history.py --sorted   # the spine sorted by user and time
 """
 
 from __future__ import annotations
@@ -150,15 +151,21 @@ def main() -> None:
     parser.add_argument("--spine", type=int, default=100_000)
     parser.add_argument("--late-s", type=int, default=300)
     parser.add_argument("--batch-rows", type=int, default=65_536)
+    parser.add_argument(
+        "--sorted", action="store_true", help="Sort the spine by user and time first."
+    )
     args = parser.parse_args()
     settings = load_settings(ROOT / "examples" / "edgefeed.yaml", env={})
     rows = tables(args.users, args.events, args.late_s, seed=32)
     spine = spine_of(args.users, args.spine, seed=32)
+    if args.sorted:
+        spine = spine.sort_by([("user_id", "ascending"), ("timestamp", "ascending")])
     print(
         f"{platform.node()} {platform.processor() or platform.machine()}, Python "
         f"{platform.python_version()}, pandas {pd.__version__}, pyarrow {pa.__version__}; "
         f"{args.users:,} users, {args.events:,} events (10% late by {args.late_s} s), "
-        f"spine {args.spine:,} rows"
+        f"spine {args.spine:,} rows{' sorted by user and time' if args.sorted else ''}, "
+        f"batches of {args.batch_rows:,}"
     )
 
     started = time.perf_counter()

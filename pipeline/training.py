@@ -275,6 +275,11 @@ class TrainingSet:
         router = Router(entities, tables, regions)
         # Entity id (as text) -> (the time the stream routed it, the change), in order.
         self._history: dict[str, list[tuple[int, RegionalChange]]] = {}
+        # The states the last spine batch left (entity -> state, changes applied, last
+        # read time): a spine sorted by entity and time goes on from them, not from the
+        # start of each history. Only the last batch's entities are kept.
+        self._carried: dict[str, tuple[EntityState | None, int, int]] = {}
+        self._carrying: dict[str, tuple[EntityState | None, int, int]] = {}
         for change in sorted(changes, key=lambda c: (c.commit_ms, c.lsn, c.seq)):
             try:
                 routed = router.route(change)
@@ -298,10 +303,14 @@ class TrainingSet:
 
     def vectors(self, entity_id: str | int, times_ms: Sequence[int]) -> list[dict[str, Any] | None]:
         """The vector (None: not served) of one entity at each read time (ms, ascending)."""
-        history = self._history.get(str(entity_id), [])
+        key = str(entity_id)
+        history = self._history.get(key, [])
         engine = self.engine
         state: EntityState | None = None
         applied = 0
+        carried = self._carried.get(key)
+        if carried is not None and times_ms and times_ms[0] >= carried[2]:
+            state, applied, _ = carried  # on from the previous batch's last read time
         out: list[dict[str, Any] | None] = []
         start = 0
         while start < len(times_ms):
@@ -319,6 +328,8 @@ class TrainingSet:
             else:
                 out.extend(engine.vectors_at(state, times_ms[start:end]))
             start = end
+        if times_ms:
+            self._carrying[key] = (state, applied, times_ms[-1])
         return out
 
     def output_schema(self, spine: pa.Schema, entity_column: str, time_column: str) -> pa.Schema:
@@ -356,6 +367,7 @@ class TrainingSet:
             for row, (entity_id, at) in enumerate(zip(ids, times, strict=True)):
                 by_id.setdefault(str(entity_id), []).append((at, row))
             found: list[dict[str, Any] | None] = [None] * batch.num_rows
+            self._carried, self._carrying = self._carrying, {}
             for entity_id, wanted in by_id.items():
                 wanted.sort()
                 for (_, row), vector in zip(

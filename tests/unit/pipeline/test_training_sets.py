@@ -182,21 +182,22 @@ def spine_file(tmp_path: Path, **columns: Any) -> Path:
 def test_the_file_keeps_spine_order_and_labels_types_the_features_and_names_the_version(
     tmp_path: Path,
 ) -> None:
-    times = [T0 + 30 * MIN, T0 - MIN, T0 + 45 * MIN, T0 + 50 * MIN, T0 + 30 * MIN]
+    # In batches of 2: user 7 goes on from one batch to the next, then back in time.
+    times = [T0 + 30 * MIN, T0 - MIN, T0 + 45 * MIN, T0 + 50 * MIN, T0 + 30 * MIN, T0 + 30 * MIN]
     spine = spine_file(
         tmp_path,
-        user_id=[7, 7, 7, 7, 8],
+        user_id=[7, 7, 7, 7, 8, 7],
         ts=pa.array(times, pa.timestamp("us", tz="UTC")),
-        label=[1, 0, 1, 0, 1],
+        label=[1, 0, 1, 0, 1, 1],
     )
     out = tmp_path / "train.parquet"
     written = write_training_set(
         training(), spine, out, entity_column="user_id", time_column="ts", batch_rows=2
     )
     table = pq.read_table(out)
-    assert written == table.num_rows == 5
-    assert table.column("label").to_pylist() == [1, 0, 1, 0, 1]
-    assert table.column("views_30m").to_pylist() == [2, None, 1, 2, None]  # user 8: unknown
+    assert written == table.num_rows == 6
+    assert table.column("label").to_pylist() == [1, 0, 1, 0, 1, 1]
+    assert table.column("views_30m").to_pylist() == [2, None, 1, 2, None, 2]  # 8: unknown
     assert table.schema.field("views_30m").type == pa.int64()
     assert table.schema.field("segment").type == pa.int32()
     assert table.schema.field("spend_today").type == pa.float32()
