@@ -236,7 +236,11 @@ def _pack_reads(keys: list[str]) -> bytes:
     Python, twice here (one command each); this writes each key's bulk string once
     and shares it, which saves about a third of a 100-key call's client time.
     """
-    body = b"".join([b"$%d\r\n%b\r\n" % (len(key), key) for key in map(str.encode, keys)])
+    text = "".join([f"${len(key)}\r\n{key}\r\n" for key in keys])
+    if text.isascii():  # every key's length in characters is its length in bytes
+        body = text.encode()
+    else:
+        body = b"".join([b"$%d\r\n%b\r\n" % (len(key), key) for key in map(str.encode, keys)])
     count = len(keys) + 1
     return b"*%d\r\n$4\r\nMGET\r\n%b*%d\r\n$6\r\nEXISTS\r\n%b" % (count, body, count, body)
 

@@ -197,3 +197,14 @@ def test_a_rebuilding_region_is_said_and_a_staleness_bound_withholds_its_vectors
     core.rebuilding["eu-west"] = (0.0, core.rebuilding["eu-west"][1])
     result, _ = lookup({}, max_staleness=60.0)  # the rebuild ended
     assert not result.rebuilding and result.found.tolist() == [True]
+
+
+def test_packed_reads_are_what_redis_py_would_send() -> None:
+    import redis
+
+    from edge_cache.client import _pack_reads
+
+    packer = redis.Connection()
+    for keys in (["ef:{user:1}"], ["ef:{user:1}", "ef:{user:22}", "ef:{user:ü}", "ef:{user:ø x}"]):
+        expected = b"".join(packer.pack_commands([("MGET", *keys), ("EXISTS", *keys)]))
+        assert _pack_reads(keys) == expected
