@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from connectors.secrets import is_secret_key, redact, redact_urls, url_secrets
@@ -30,6 +30,7 @@ from pipeline.settings import EntitySettings, FeatureReader, KafkaSettings, Pipe
 __all__ = [
     "EdgefeedSettings",
     "KafkaSettings",
+    "MonitoringSettings",
     "SettingsError",
     "expand_env",
     "load_settings",
@@ -42,6 +43,27 @@ SETTINGS_ENV_VAR = "EDGEFEED_SETTINGS"
 
 class SettingsError(EdgefeedError, ValueError):
     """The settings file is missing, unreadable or invalid. Not retryable: fix the file."""
+
+
+class MonitoringSettings(BaseModel):
+    """Prometheus and Alertmanager of the local stack (``edgefeed dev up``).
+
+    Without ports, the local stack runs neither. Production runs its own
+    (docker-compose.yml, deploy/k8s); these settings do not reach it.
+
+    Attributes:
+        prometheus_port: Loopback port of the local Prometheus (None: none runs).
+        alertmanager_port: Loopback port of the local Alertmanager (None: none runs;
+            Prometheus then evaluates the rules but sends the alerts nowhere).
+        scrape_interval_s: How often Prometheus scrapes and evaluates the rules:
+            shorter than production's 15 s, so that a local fault shows quickly.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prometheus_port: int | None = Field(default=None, ge=1, le=65535)
+    alertmanager_port: int | None = Field(default=None, ge=1, le=65535)
+    scrape_interval_s: float = Field(default=5.0, ge=1.0, le=60.0)
 
 
 class EdgefeedSettings(BaseSettings):
@@ -67,6 +89,7 @@ class EdgefeedSettings(BaseSettings):
     entities: list[EntitySettings] = Field(default_factory=list)
     models: list[FeatureReader] = Field(default_factory=list)
     sites: SitesSettings = Field(default_factory=SitesSettings)
+    monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
 
     @model_validator(mode="after")
     def _regions_consistent(self) -> EdgefeedSettings:

@@ -19,6 +19,8 @@ command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 [ -f /usr/share/java/jetty9-server.jar ] || need_apt+=(libjetty9-java)
 # promtool (Debian ships it in prometheus) checks and unit-tests the alert rules.
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# The local stack's Alertmanager (monitoring.alertmanager_port in examples/edgefeed.yaml).
+command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
 # Headless Chromium renders the exporter's status page in its test (and makes the
 # screenshots in docs/operations.md); without recommends it brings no font, hence DejaVu.
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium fonts-dejavu-core)
@@ -31,6 +33,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   # Debian starts the packaged servers; edgefeed runs its own on other ports.
   $SUDO service redis-server stop >/dev/null 2>&1 || true
   $SUDO service prometheus stop >/dev/null 2>&1 || true
+  $SUDO service prometheus-alertmanager stop >/dev/null 2>&1 || true
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -207,14 +207,17 @@ def run(
     workers = [("router", ["--role", "router"])]
     workers += [(region, ["--region", region]) for region in settings.region_names]
     for name, args in workers:
+        metrics_port = _free_port()
+        stack.stop_app(f"pipeline-{name}")  # a previous demo's, on another metrics port
         run_reported(
-            lambda name=name, args=args: stack.start_app(  # type: ignore[misc]
+            lambda name=name, args=args, port=metrics_port: stack.start_app(  # type: ignore[misc]
                 f"pipeline-{name}",
-                [*base, "pipeline", "run", *args],
+                [*base, "pipeline", "run", *args, "--metrics-port", str(port)],
                 ready="Worker]: Ready",
                 timeout_s=120,
             )
         )
+        stack.scrape("edgefeed-pipeline", f"pipeline-{name}", metrics_port)
         console.print(f"  pipeline {name}: ready (log: {stack.log_path('app-pipeline-' + name)})")
 
     exporter_port = _free_port()
@@ -227,7 +230,9 @@ def run(
             timeout_s=60,
         )
     )
+    stack.scrape("edgefeed-exporter", "exporter", exporter_port)
     console.print(f"  exporter: http://127.0.0.1:{exporter_port}/metrics (Prometheus)")
+    _print_monitoring_urls(settings)
 
     console.rule(f"4. load: {rate:.0f} changes/s for {duration:.0f}s into PostgreSQL")
     load = ShopLoad(settings.database.dsn(), settings.region_names, users=users, items=items)
@@ -265,6 +270,7 @@ def run(
             timeout_s=180,
         )
     )
+    stack.scrape("edgefeed-workers", f"worker-{region}", worker_port)
     summary = asyncio.run(_burst(f"http://127.0.0.1:{worker_port}", load, region, items))
     print_bench(
         summary,
@@ -281,6 +287,11 @@ def run(
 
     report = run_reported(lambda: verify_until(settings, settings.region_names, timeout_s=120))
     print_verified(report)
+    if settings.monitoring.prometheus_port is not None:
+        console.rule("9. alerts: the rules of deploy/prometheus on the local Prometheus")
+        from edgefeed.localalerts import print_alert_state
+
+        print_alert_state(console, settings.monitoring)
     console.print(
         "the stack, the pipeline, the exporter and the model worker keep running; stop "
         f"everything with: edgefeed "
@@ -288,6 +299,17 @@ def run(
     )
     if not report.ok:
         raise typer.Exit(EXIT_ERROR)
+
+
+def _print_monitoring_urls(settings: EdgefeedSettings) -> None:
+    monitoring = settings.monitoring
+    if monitoring.prometheus_port is not None:
+        console.print(
+            f"  prometheus: http://127.0.0.1:{monitoring.prometheus_port}/alerts "
+            "(rules: deploy/prometheus/alerts.yml)"
+        )
+    if monitoring.alertmanager_port is not None:
+        console.print(f"  alertmanager: http://127.0.0.1:{monitoring.alertmanager_port}/")
 
 
 def _free_port() -> int:

@@ -144,3 +144,17 @@ def connect_classpath() -> list[Path]:
             )
         jars.append(jar)
     return jars
+
+
+def prometheus_binary() -> str:
+    return _which("prometheus", "EDGEFEED_PROMETHEUS", "prometheus")
+
+
+def alertmanager_binary() -> str:
+    # Debian names the binary after its package; upstream's tarball calls it alertmanager.
+    try:
+        return _which("prometheus-alertmanager", "EDGEFEED_ALERTMANAGER", "prometheus-alertmanager")
+    except MissingBinaryError:
+        if shutil.which("alertmanager"):
+            return str(shutil.which("alertmanager"))
+        raise

@@ -28,6 +28,7 @@ from edgefeed.devstack.exceptions import (
     ServiceStartError,
     UnsupportedLocallyError,
 )
+from edgefeed.devstack.monitoring import AlertmanagerService, PrometheusService
 from edgefeed.devstack.process import port_in_use, read_pid, spawn, stop_pid
 from edgefeed.devstack.services import (
     BrokerService,
@@ -223,6 +224,7 @@ class DevStack:
                     control=self.wan_control_path,
                 )
             )
+        services += self._plan_monitoring()
         seen: dict[int, str] = {}
         for link in links[1:]:
             seen[int(str(link["listen_port"]))] = f"sites link {link['name']}"
@@ -234,6 +236,46 @@ class DevStack:
                 )
             seen[service.port] = service.setting
         return services
+
+    def _plan_monitoring(self) -> list[Service]:
+        """Prometheus and Alertmanager, where the settings give them ports."""
+        monitoring = self.settings.monitoring
+        planned: list[Service] = []
+        if monitoring.alertmanager_port is not None:
+            planned.append(
+                AlertmanagerService(
+                    "alertmanager",
+                    monitoring.alertmanager_port,
+                    "monitoring.alertmanager_port",
+                    self._home("alertmanager"),
+                    start_timeout_s=30,
+                )
+            )
+        if monitoring.prometheus_port is not None:
+            planned.append(
+                PrometheusService(
+                    "prometheus",
+                    monitoring.prometheus_port,
+                    "monitoring.prometheus_port",
+                    self._home("prometheus"),
+                    start_timeout_s=60,
+                    depends_on=("alertmanager",) if planned else (),
+                    alertmanager_port=monitoring.alertmanager_port,
+                    scrape_interval_s=monitoring.scrape_interval_s,
+                )
+            )
+        return planned
+
+    def scrape(self, job: str, name: str, port: int, *, token: str | None = None) -> bool:
+        """Have the local Prometheus scrape process ``name`` on ``127.0.0.1:port`` in
+        ``job`` (one of :data:`~edgefeed.devstack.monitoring.SCRAPE_JOBS`), with the
+        bearer ``token`` its /metrics requires (one token per job). False when the
+        stack runs no Prometheus (``monitoring.prometheus_port`` unset)."""
+        for service in self.services:
+            if isinstance(service, PrometheusService):
+                service.write_target(job, name, port, token)
+                return True
+        return False
 
     def _home(self, name: str) -> Path:
         return self.state_dir / "services" / name
@@ -451,6 +493,9 @@ class DevStack:
         record = read_pid(path)
         stopped = record is not None and stop_pid(record, sig=sig, timeout_s=30)
         path.unlink(missing_ok=True)
+        for service in self.services:
+            if isinstance(service, PrometheusService):
+                service.remove_targets(name)
         return stopped
 
     def apps(self) -> list[str]:

@@ -346,3 +346,104 @@ def test_exporter_command_serves_the_named_metrics_in_prometheus_format(
     assert {"topic": pipeline.settings.pipeline.dead_letter_topic} in samples[
         "edgefeed_deadletter_messages_total"
     ]
+
+
+def test_local_prometheus_scrapes_the_exporter_with_its_token_and_loads_the_alert_rules(
+    pipeline: Pipeline, stack_mapping: dict[str, object], state_dir: Path
+) -> None:
+    """`edgefeed dev up`'s Prometheus and Alertmanager (monitoring.* ports): the
+    checkout's deploy/prometheus/alerts.yml loaded, the exporter scraped through its
+    bearer token, its series queryable, the alerts sent to the Alertmanager."""
+    import re
+
+    import requests
+    from stackhelpers import free_ports
+
+    from edgefeed.localalerts import alert_state
+    from edgefeed.settings import settings_from_mapping
+
+    prometheus_port, alertmanager_port = free_ports(2)
+    mapping = dict(stack_mapping)
+    mapping["monitoring"] = {
+        "prometheus_port": prometheus_port,
+        "alertmanager_port": alertmanager_port,
+        "scrape_interval_s": 1,
+    }
+    settings = settings_from_mapping(mapping)
+    folder = state_dir / unique_name("prom")
+    token_file = folder / "exporter.token"
+    folder.mkdir()
+    token_file.write_text("scrape-9c1f4e7a2b8d6053e1f47a9c2d8b6e05\n")
+    stack = DevStack(settings, folder, only=["prometheus", "alertmanager"])
+    prometheus = f"http://127.0.0.1:{prometheus_port}"
+    exe = Path(sys.executable).with_name("edgefeed")
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(stack.down)
+        stack.up()
+        process = cleanup.enter_context(
+            subprocess.Popen(
+                [
+                    str(exe),
+                    "--settings",
+                    str(pipeline.settings_file),
+                    "exporter",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--interval",
+                    "1",
+                    "--token-file",
+                    str(token_file),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        cleanup.callback(lambda: (process.kill(), process.wait()))
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+        assert match, line
+        assert stack.scrape("edgefeed-exporter", "exporter", int(match.group(1)), token="x")
+        deadline = time.monotonic() + 60
+        while True:  # a wrong token: scraped, and refused
+            state = alert_state(settings.monitoring)
+            health = {(job, h, e) for job, _, h, e in state.targets if job == "edgefeed-exporter"}
+            if health and all(h == "down" for _, h, _ in health):
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.5)
+        assert any("401" in error for _, _, error in health), health
+        stack.scrape("edgefeed-exporter", "exporter", int(match.group(1)), token="scrape-9c1f4e7a2b8d6053e1f47a9c2d8b6e05")
+        topic = pipeline.settings.pipeline.region_topic("eu-west")
+        deadline = time.monotonic() + 60
+        while True:  # the right token: up, and the exporter's series in Prometheus
+            state = alert_state(settings.monitoring)
+            answer = requests.get(
+                f"{prometheus}/api/v1/query",
+                params={"query": f'kafka_topic_partition_current_offset{{topic="{topic}"}}'},
+                timeout=5,
+            ).json()
+            up = [h for job, _, h, _ in state.targets if job == "edgefeed-exporter"]
+            if up == ["up"] and answer["data"]["result"]:
+                break
+            assert time.monotonic() < deadline, (state.targets, answer)
+            time.sleep(0.5)
+        rules = requests.get(f"{prometheus}/api/v1/rules", timeout=5).json()["data"]["groups"]
+        loaded = {rule["name"] for group_ in rules for rule in group_["rules"]}
+        alerts_file = Path(__file__).resolve().parents[3] / "deploy" / "prometheus" / "alerts.yml"
+        declared = {
+            rule["alert"]
+            for group_ in yaml.safe_load(alerts_file.read_text())["groups"]
+            for rule in group_["rules"]
+        }
+        assert declared and loaded == declared
+        managers = requests.get(f"{prometheus}/api/v1/alertmanagers", timeout=5).json()
+        assert [m["url"] for m in managers["data"]["activeAlertmanagers"]] == [
+            f"http://127.0.0.1:{alertmanager_port}/api/v2/alerts"
+        ]
+        assert state.delivered is not None  # the Alertmanager's API answers
+    assert not (folder / "run" / "prometheus.pid").exists()
+    assert not (folder / "run" / "alertmanager.pid").exists()
