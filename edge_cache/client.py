@@ -276,8 +276,12 @@ class _Connections:
         sock = connection.edgefeed_socket
         if not connection.is_connected or sock is None or sock.stale():
             # what redis-py's pool does with such a connection: reconnect it
-            connection.disconnect()
-            connection.connect()
+            try:
+                connection.disconnect()
+                connection.connect()
+            except BaseException:
+                self.drop(connection)  # the region's failure; the pool gets it back
+                raise
         return connection
 
     def give(self, connection: Any) -> None:
