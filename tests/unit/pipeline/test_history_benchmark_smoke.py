@@ -1,0 +1,39 @@
+"""Keep benchmarks/history.py from rotting, and use its independent check: with the
+late events taken out, pandas' merge_asof features (what a data scientist would
+write) must equal the training set's, row by row; with them, pandas counts late
+events before their commit (leakage) and the training set does not."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_history_benchmark_small_run_agrees_with_pandas() -> None:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "history.py"),
+            "--users",
+            "50",
+            "--events",
+            "3000",
+            "--spine",
+            "2000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    assert "without the late events: pandas equals edgefeed on all 6 features" in out, out
+    differing = re.search(r"pandas rows differing \(late events[^)]*\): (.*)", out)
+    assert differing, out
+    counts = [int(n) for n in re.findall(r" (\d+)(?:,|$)", differing.group(1))]
+    assert sum(counts) > 0, out  # the late events made pandas leak
