@@ -95,3 +95,27 @@ def test_every_alert_has_a_firing_and_a_non_firing_case() -> None:
     missing = [f"{a}: no firing case" for a in alerts if not firing[a]]
     missing += [f"{a}: no case where it must not fire" for a in alerts if not silent[a]]
     assert not missing, "\n".join(missing)
+
+
+def test_every_alert_names_its_runbook_section_in_operations_md() -> None:
+    """An alert names the section of docs/operations.md that says what to do (its
+    ``runbook_url``, relative to the repository: a team rewrites the base)."""
+    import re
+
+    headings = {
+        re.sub(r"[^a-z0-9 -]", "", line[4:].strip().lower()).replace(" ", "-")
+        for line in (ROOT / "docs" / "operations.md").read_text().splitlines()
+        if line.startswith("### ")
+    }
+    rules = [
+        rule
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
+    assert rules
+    for rule in rules:
+        url = rule["annotations"].get("runbook_url", "")
+        path, _, anchor = url.partition("#")
+        assert path == "docs/operations.md", (rule["alert"], url)
+        assert anchor == rule["alert"].lower() and anchor in headings, (rule["alert"], url)
