@@ -303,11 +303,15 @@ class _Connections:
             self.pool.release(connection)
 
 
+def _pack_get(key: str) -> bytes:
+    raw = key.encode()
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(raw), raw)
+
+
 def _get_one(connection: Any, key: str) -> tuple[list[bytes | None], int]:
     """One key: ``GET`` alone. It tells a key of another Redis type by itself (a
     WRONGTYPE error), so it needs no ``EXISTS``: one command and one reply less."""
-    raw = key.encode()
-    connection.send_packed_command([b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(raw), raw)])
+    connection.send_packed_command([_pack_get(key)])
     try:
         value = connection.read_response()
     except ResponseError as exc:
@@ -355,6 +359,15 @@ async def _amget(
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             await connection.disconnect()
+        if len(keys) == 1:  # GET alone, as the sync face (see _get_one)
+            await connection.send_packed_command(_pack_get(keys[0]))
+            try:
+                value = await connection.read_response()
+            except ResponseError as exc:
+                if not str(exc).startswith("WRONGTYPE"):
+                    raise
+                return [None], 1
+            return [value], 0 if value is None else 1
         await connection.send_packed_command(_pack_reads(keys))
         values = await connection.read_response()
         return values, int(await connection.read_response())

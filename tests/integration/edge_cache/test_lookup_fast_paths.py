@@ -1,11 +1,13 @@
-"""The sync face's fast paths answer exactly as its general path (real redis-server).
+"""The lookup's fast paths answer exactly as its general path (real redis-server).
 
-One id is read with ``GET`` alone; several with ``MGET`` and ``EXISTS`` in one write.
+One id is read with ``GET`` alone (both faces); several with ``MGET`` and ``EXISTS``
+in one write.
 The sync face also keeps its connections checked out between calls instead of taking
 them from redis-py's pool each time. Neither may change what a lookup answers."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from edge_cache_stack import READ_TIMEOUT_S
 from prometheus_client import CollectorRegistry
 
 from edge_cache import (
+    AsyncFeatureClient,
     FeatureClient,
     FeatureSchema,
     FeatureVectors,
@@ -93,34 +96,47 @@ def _seed(region: RegionSettings, writer: FeatureWriter, now: float) -> None:
         plain.setrange(KEYS.key("user", "nan"), 44, np.float32("nan").tobytes())
 
 
+def _compare(get: Callable[..., FeatureVectors], now: float) -> None:
+    users = ["full", "partial", "old", "gone", "absent", "garbage", "hash", "nan"]
+    for bound in (None, 60.0):
+        many = get("user", users, max_staleness=bound)
+        for row, entity_id in enumerate(users):
+            _same(get("user", [entity_id], max_staleness=bound), many, row)
+        assert many.stale.tolist() == [False, False, bound is not None, *[False] * 5]
+    assert many.found.tolist() == [True, True, False, False, False, False, False, True]
+    assert [row for row, _ in many.corrupt] == [5, 6]
+    timed = ["taken", "waiting", "absent"]
+    for at in (None, now + 120, now + 2 * 3600 + 60):
+        many = get("timed", timed, at=at)
+        for row, entity_id in enumerate(timed):
+            _same(get("timed", [entity_id], at=at), many, row)
+    assert get("timed", timed).to_dicts()[:2] == [
+        {"w1": 2.0, "w2": None},
+        {"w1": 1.0, "w2": 1.0},
+    ]
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
 def test_one_id_reads_as_many_ids_do(
-    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter], face: str
 ) -> None:
     home = regions[0].model_copy(update={"failover": []})
     now = time.time()
     _seed(home, make_writer(home, [USER, TIMED]), now)
-    users = ["full", "partial", "old", "gone", "absent", "garbage", "hash", "nan"]
     registry = CollectorRegistry()
-    with FeatureClient(
-        "eu-west", [home], [USER, TIMED], registry=registry, timeout_s=READ_TIMEOUT_S
-    ) as client:
-        for bound in (None, 60.0):
-            many = client.get("user", users, max_staleness=bound)
-            for row, entity_id in enumerate(users):
-                _same(client.get("user", [entity_id], max_staleness=bound), many, row)
-            assert many.stale.tolist() == [False, False, bound is not None, *[False] * 5]
-        assert many.found.tolist() == [True, True, False, False, False, False, False, True]
-        assert [row for row, _ in many.corrupt] == [5, 6]
-        timed = ["taken", "waiting", "absent"]
-        for at in (None, now + 120, now + 2 * 3600 + 60):
-            many = client.get("timed", timed, at=at)
-            for row, entity_id in enumerate(timed):
-                _same(client.get("timed", [entity_id], at=at), many, row)
-        assert client.get("timed", timed).to_dicts()[:2] == [
-            {"w1": 2.0, "w2": None},
-            {"w1": 1.0, "w2": 1.0},
-        ]
-    # each wrong-typed and format-corrupt value counted once per call that met it
+    options: dict[str, Any] = {"registry": registry, "timeout_s": READ_TIMEOUT_S}
+    if face == "sync":
+        with FeatureClient("eu-west", [home], [USER, TIMED], **options) as client:
+            _compare(client.get, now)
+    else:
+        loop = asyncio.new_event_loop()
+        aclient = AsyncFeatureClient("eu-west", [home], [USER, TIMED], **options)
+        try:
+            _compare(lambda *a, **kw: loop.run_until_complete(aclient.get(*a, **kw)), now)
+        finally:
+            loop.run_until_complete(aclient.close())
+            loop.close()
+    # each wrong-typed value counted once per call that met it
     wrong = {"region": "eu-west", "entity": "user", "reason": "wrong_type"}
     assert registry.get_sample_value("edgefeed_lookup_corrupt_values_total", wrong) == 4
 
