@@ -175,6 +175,40 @@ def sites_run(
         client.close()
 
 
+def link_alerts(
+    run: SitesRun, exporter_port: int, finalizer: Callable[[Callable[[], object]], None]
+) -> tuple[Callable[[], list[dict[str, Any]]], DevStack]:
+    """The local stack's Prometheus (1 s scrapes) and Alertmanager, scraping the
+    exporter on ``exporter_port``; returns what reads the active EdgefeedLinkCut
+    alerts of central-eu-west from the Alertmanager's API, and the stack (stopped
+    with the run's processes if the test fails first)."""
+    from edgefeed.settings import MonitoringSettings
+
+    prometheus_port, alertmanager_port = free_ports(2)
+    monitoring = MonitoringSettings(
+        prometheus_port=prometheus_port, alertmanager_port=alertmanager_port, scrape_interval_s=1
+    )
+    stack = DevStack(
+        run.settings.model_copy(update={"monitoring": monitoring}),
+        run.logs / "monitoring",
+        only=["prometheus", "alertmanager"],
+    )
+    finalizer(stack.down)
+    stack.up()
+    stack.scrape("edgefeed-exporter", "exporter", exporter_port)
+
+    def active() -> list[dict[str, Any]]:
+        answer = requests.get(
+            f"http://127.0.0.1:{alertmanager_port}/api/v2/alerts",
+            params={"active": "true", "filter": 'alertname="EdgefeedLinkCut"'},
+            timeout=5,
+        )
+        answer.raise_for_status()
+        return [a for a in answer.json() if a["labels"].get("link") == "central-eu-west"]
+
+    return active, stack
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> float:
     """Poll until ``check()``; returns the seconds it took."""
     started = time.monotonic()
@@ -476,7 +510,7 @@ def served_after(client: FeatureClient, users: list[int], since: float) -> Calla
 
 
 def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal(
-    seeded: SitesRun,
+    seeded: SitesRun, request: pytest.FixtureRequest
 ) -> None:
     """Under a steady load, a partition of central <-> eu-west: the other regions keep
     receiving changes, eu-west serves its cache with the staleness visible to the
@@ -506,6 +540,9 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
     link_up = ("edgefeed_link_up", (("link", link),))
     behind = ("edgefeed_region_behind_seconds", (("link", link), ("region", "eu-west")))
     wait_for("the exporter shows the link up", lambda: scrape(port).get(link_up) == 1.0)
+    # The local Prometheus (deploy/prometheus/alerts.yml) and Alertmanager scrape it:
+    # the cut must page through EdgefeedLinkCut, and the page must end with the heal.
+    alertmanager, monitoring = link_alerts(run, port, request.addfinalizer)
     wait_for("the caches agree before the cut", lambda: verified(run, regions))
     clients = {region: feature_client(run.settings, region, timeout_s=5) for region in regions}
     eu = clients["eu-west"]
@@ -569,6 +606,15 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
                 wait_for(
                     "the exporter shows the cut and eu-west behind", exporter_shows_the_cut, 60
                 )
+                # The page: EdgefeedLinkCut in the Alertmanager, naming the link and its
+                # runbook, not before the rule's `for: 30s` has passed since the cut.
+                assert alertmanager() == []
+                wait_for("EdgefeedLinkCut reaches the Alertmanager", lambda: bool(alertmanager()))
+                assert time.time() - cut_at >= 30
+                (page,) = alertmanager()
+                assert page["labels"]["severity"] == "critical"
+                assert page["annotations"]["runbook_url"] == "docs/operations.md#edgefeedlinkcut"
+                assert link in page["annotations"]["summary"]
                 # Still receiving, late in the cut too.
                 still = time.time()
                 for other in others:
@@ -603,6 +649,8 @@ def test_a_cut_eu_west_link_stalls_eu_west_only_and_it_catches_up_after_the_heal
         return samples.get(link_up) == 1.0 and samples.get(behind, 1e9) < 5.0
 
     wait_for("the exporter shows the link up and eu-west caught up", exporter_shows_recovery, 60)
+    wait_for("EdgefeedLinkCut resolved in the Alertmanager", lambda: not alertmanager(), 60)
+    monitoring.down()
     exporter = run.procs.pop("exporter")
     exporter.terminate()
     exporter.wait(timeout=60)
