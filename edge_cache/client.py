@@ -359,15 +359,6 @@ async def _amget(
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             await connection.disconnect()
-        if len(keys) == 1:  # GET alone, as the sync face (see _get_one)
-            await connection.send_packed_command(_pack_get(keys[0]))
-            try:
-                value = await connection.read_response()
-            except ResponseError as exc:
-                if not str(exc).startswith("WRONGTYPE"):
-                    raise
-                return [None], 1
-            return [value], 0 if value is None else 1
         await connection.send_packed_command(_pack_reads(keys))
         values = await connection.read_response()
         return values, int(await connection.read_response())

@@ -1,7 +1,7 @@
 """The lookup's fast paths answer exactly as its general path (real redis-server).
 
-One id is read with ``GET`` alone (both faces); several with ``MGET`` and ``EXISTS``
-in one write.
+On the sync face one id is read with ``GET`` alone; several with ``MGET`` and
+``EXISTS`` in one write (the async face reads every call so; it is checked alike).
 The sync face also keeps its connections checked out between calls instead of taking
 them from redis-py's pool each time. Neither may change what a lookup answers."""
 
