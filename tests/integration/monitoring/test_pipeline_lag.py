@@ -416,7 +416,12 @@ def test_local_prometheus_scrapes_the_exporter_with_its_token_and_loads_the_aler
             assert time.monotonic() < deadline, health
             time.sleep(0.5)
         assert any("401" in error for _, _, error in health), health
-        stack.scrape("edgefeed-exporter", "exporter", int(match.group(1)), token="scrape-9c1f4e7a2b8d6053e1f47a9c2d8b6e05")
+        stack.scrape(
+            "edgefeed-exporter",
+            "exporter",
+            int(match.group(1)),
+            token="scrape-9c1f4e7a2b8d6053e1f47a9c2d8b6e05",
+        )
         topic = pipeline.settings.pipeline.region_topic("eu-west")
         deadline = time.monotonic() + 60
         while True:  # the right token: up, and the exporter's series in Prometheus
