@@ -22,31 +22,20 @@ __all__ = ["FeatureVectors", "Projection"]
 
 _NAT = np.iinfo(np.int64).min
 _MICROS = np.dtype("datetime64[us]")
-_TRUE: dict[tuple[int, ...], np.ndarray[Any, np.dtype[np.bool_]]] = {}
-_FALSE: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] = {}
+_MASKS: dict[tuple[bool, tuple[int, ...]], np.ndarray[Any, np.dtype[np.bool_]]] = {}
 
 
-def _all_true(shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """A shared, read-only all-True mask (the common "everything found" case)."""
-    mask = _TRUE.get(shape)
+def _shared_mask(value: bool, shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """A shared, read-only mask of ``value`` (the common cases: everything found,
+    nothing withheld as stale), so that a lookup allocates none."""
+    key = (value, shape)
+    mask = _MASKS.get(key)
     if mask is None:
-        if len(_TRUE) > 256:
-            _TRUE.clear()
-        mask = np.ones(shape, dtype=np.bool_)
+        if len(_MASKS) > 512:
+            _MASKS.clear()
+        mask = np.full(shape, value, dtype=np.bool_)
         mask.flags.writeable = False
-        _TRUE[shape] = mask
-    return mask
-
-
-def _none_stale(n: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """A shared, read-only all-False ``stale`` (the common "nothing withheld" case)."""
-    mask = _FALSE.get(n)
-    if mask is None:
-        if len(_FALSE) > 256:
-            _FALSE.clear()
-        mask = np.zeros(n, dtype=np.bool_)
-        mask.flags.writeable = False
-        _FALSE[n] = mask
+        _MASKS[key] = mask
     return mask
 
 
@@ -272,7 +261,7 @@ def build_vectors(
     records = decoded.records
     rows = decoded.rows
     complete = decoded.complete
-    stale = _none_stale(n)
+    stale = _shared_mask(False, (n,))
     if complete:
         commit = records["commit_us"].astype(np.int64)
         write = records["write_us"].astype(np.int64)
@@ -295,10 +284,10 @@ def build_vectors(
             rows = rows[fresh]
             complete = False
     if complete:
-        found = _all_true((n,))
+        found = _shared_mask(True, (n,))
         values = projection.matrix(records)
         if decoded.all_valid:
-            present = _all_true((n, k))
+            present = _shared_mask(True, (n, k))
         else:
             present = projection.valid(records)
             values[~present] = np.nan

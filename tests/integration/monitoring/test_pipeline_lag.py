@@ -279,6 +279,24 @@ async def test_paused_regional_worker_stalls_then_clears_after_resume(
     assert g is not None and g.status == "OK" and g.lag_seconds == 0
 
 
+def exporter_command(pipeline: Pipeline, *extra: str) -> list[str]:
+    """`edgefeed exporter` on a free loopback port, collecting every second."""
+    exe = Path(sys.executable).with_name("edgefeed")
+    return [
+        str(exe),
+        "--settings",
+        str(pipeline.settings_file),
+        "exporter",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--interval",
+        "1",
+        *extra,
+    ]
+
+
 def test_exporter_command_serves_the_named_metrics_in_prometheus_format(
     pipeline: Pipeline,
 ) -> None:
@@ -287,22 +305,10 @@ def test_exporter_command_serves_the_named_metrics_in_prometheus_format(
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    exe = Path(sys.executable).with_name("edgefeed")
     # The with-block kills and reaps the process and closes its pipe whatever
     # happens, so a failure here cannot leak into later tests as a ResourceWarning.
     with subprocess.Popen(
-        [
-            str(exe),
-            "--settings",
-            str(pipeline.settings_file),
-            "exporter",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--interval",
-            "1",
-        ],
+        exporter_command(pipeline),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -376,26 +382,12 @@ def test_local_prometheus_scrapes_the_exporter_with_its_token_and_loads_the_aler
     token_file.write_text("scrape-9c1f4e7a2b8d6053e1f47a9c2d8b6e05\n")
     stack = DevStack(settings, folder, only=["prometheus", "alertmanager"])
     prometheus = f"http://127.0.0.1:{prometheus_port}"
-    exe = Path(sys.executable).with_name("edgefeed")
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(stack.down)
         stack.up()
         process = cleanup.enter_context(
             subprocess.Popen(
-                [
-                    str(exe),
-                    "--settings",
-                    str(pipeline.settings_file),
-                    "exporter",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--interval",
-                    "1",
-                    "--token-file",
-                    str(token_file),
-                ],
+                exporter_command(pipeline, "--token-file", str(token_file)),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
