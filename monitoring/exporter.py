@@ -54,6 +54,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "edgefeed_consumergroup_consume_rate",
     "edgefeed_topic_produce_rate",
     "edgefeed_deadletter_messages_total",
+    "edgefeed_deadletter_reason_messages_total",
     "edgefeed_cache_freshness_seconds",
     "edgefeed_cache_write_delay_seconds",
     "edgefeed_cache_sample_oldest_seconds",
@@ -273,6 +274,17 @@ class ReportCollector(Collector):
             ):
                 dead.add_metric([name], count)
             yield dead
+        if kafka.deadletters_by_reason:
+            # Read from the dead letters' reason header since the exporter started
+            # (monitoring.deadletters): a counter that starts again with the exporter.
+            reasons = CounterMetricFamily(
+                "edgefeed_deadletter_reason_messages",
+                "Dead letters read since the exporter started, by topic and reason.",
+                labels=["topic", "reason"],
+            )
+            for name, reason, count in kafka.deadletters_by_reason:
+                reasons.add_metric([name, reason], count)
+            yield reasons
 
     def _regions(self, report: Report) -> Iterator[Metric]:
         labels = ["region", "entity"]

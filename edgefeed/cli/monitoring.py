@@ -312,6 +312,11 @@ def render(report: Report) -> Group:
                 f" ({report.kafka.deadletters_new or 0} new in the window)"
             )
         )
+        by_topic: dict[str, list[str]] = {}
+        for topic, reason, count in report.kafka.deadletters_by_reason:
+            by_topic.setdefault(topic, []).append(f"{reason} {count}")
+        for topic, reasons in sorted(by_topic.items()):
+            parts.append(Text(f"  by reason on {topic}: {', '.join(reasons)}"))
     summary = Text.assemble("overall: ", _styled(report.severity))
     parts.append(summary)
     for problem in report.problems:

@@ -99,6 +99,10 @@ def sample_report() -> Report:
         deadletter_topic="edgefeed.deadletter",
         deadletters=4,
         deadletters_new=1,
+        deadletters_by_reason=(
+            ("edgefeed.deadletter", "bad-json", 3),
+            ("edgefeed.deadletter", "unknown-entity", 1),
+        ),
     )
     entity = EntityFreshness("users", 1.5, 0.2, "123", 3, 9.0, 1.5)
     region = RegionReport(
@@ -163,6 +167,15 @@ def test_exporter_output_parses_and_uses_kafka_exporter_names() -> None:
     assert [s.value for s in failed] == [1.0]
     (quarantined,) = families["edgefeed_region_quarantined_entities"].samples
     assert (quarantined.labels, quarantined.value) == ({"region": "eu-west"}, 2)
+    reasons = {
+        (s.labels["topic"], s.labels["reason"]): s.value
+        for s in families["edgefeed_deadletter_reason_messages"].samples
+        if s.name.endswith("_total")
+    }
+    assert reasons == {
+        ("edgefeed.deadletter", "bad-json"): 3,
+        ("edgefeed.deadletter", "unknown-entity"): 1,
+    }
 
 
 def test_series_rate_and_increase_over_the_window() -> None:
@@ -188,6 +201,7 @@ def test_lag_lists_quarantined_entities_with_the_reason() -> None:
     text = console.export_text()
     assert "quarantined user:8" in text and "OverflowError: too big" in text
     assert "1 more quarantined" in text  # 2 quarantined, one of them listed
+    assert "by reason on edgefeed.deadletter: bad-json 3, unknown-entity 1" in text
 
 
 def test_a_rebuilding_region_is_shown_and_exported_never_ok() -> None:
