@@ -35,9 +35,6 @@ from typing import Any
 import numpy as np
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lookup import SLOTS, RedisServer
-
 from edge_cache import (
     FeatureClient,
     FeatureSchema,
@@ -47,6 +44,25 @@ from edge_cache import (
     Schedule,
     Upsert,
 )
+
+
+def _sibling(name: str) -> Any:
+    """benchmarks/<name>.py as a module, without putting benchmarks/ on sys.path (its
+    workers.py and preprocess.py would shadow the packages for every later import,
+    in this process and in the processes it spawns)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"edgefeed_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_lookup = _sibling("lookup")
+SLOTS, RedisServer = _lookup.SLOTS, _lookup.RedisServer
 
 N_FEATURES = 50
 

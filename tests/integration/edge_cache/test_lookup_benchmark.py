@@ -49,7 +49,11 @@ def test_lookup_profile_smoke(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("edgefeed_bench_lookup_profile", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    path_before = list(sys.path)
     spec.loader.exec_module(module)
+    # benchmarks/ on sys.path would shadow the workers and preprocess packages in
+    # every later test and in the processes they spawn.
+    assert sys.path == path_before
     out = tmp_path / "profile.json"
     for options in (["--ids", "3", "--scheduled"], ["--ids", "1"]):
         results = module.main(["--smoke", *options, "--json", str(out)])
