@@ -432,7 +432,7 @@ def test_local_prometheus_scrapes_the_exporter_with_its_token_and_loads_the_aler
         loaded = {rule["name"] for group_ in rules for rule in group_["rules"]}
         alerts_file = Path(__file__).resolve().parents[3] / "deploy" / "prometheus" / "alerts.yml"
         declared = {
-            rule["alert"]
+            rule.get("alert") or rule["record"]
             for group_ in yaml.safe_load(alerts_file.read_text())["groups"]
             for rule in group_["rules"]
         }
