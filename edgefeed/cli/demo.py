@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import typer
 from rich.table import Table
 
 from edgefeed.cli._common import EXIT_ERROR, console, run_reported, settings_of
+from edgefeed.cli._demostack import free_port, start_exporter
 from edgefeed.cli.demo_sites import sites_demo
 from edgefeed.cli.dev import print_status
 from edgefeed.cli.workers import print_bench
@@ -207,7 +207,7 @@ def run(
     workers = [("router", ["--role", "router"])]
     workers += [(region, ["--region", region]) for region in settings.region_names]
     for name, args in workers:
-        metrics_port = _free_port()
+        metrics_port = free_port()
         stack.stop_app(f"pipeline-{name}")  # a previous demo's, on another metrics port
         run_reported(
             lambda name=name, args=args, port=metrics_port: stack.start_app(  # type: ignore[misc]
@@ -220,19 +220,7 @@ def run(
         stack.scrape("edgefeed-pipeline", f"pipeline-{name}", metrics_port)
         console.print(f"  pipeline {name}: ready (log: {stack.log_path('app-pipeline-' + name)})")
 
-    exporter_port = _free_port()
-    stack.stop_app("exporter")  # a previous demo's, on another port
-    run_reported(
-        lambda: stack.start_app(
-            "exporter",
-            [*base, "exporter", "--port", str(exporter_port)],
-            ready="serving metrics on",
-            timeout_s=60,
-        )
-    )
-    stack.scrape("edgefeed-exporter", "exporter", exporter_port)
-    console.print(f"  exporter: http://127.0.0.1:{exporter_port}/metrics (Prometheus)")
-    _print_monitoring_urls(settings)
+    start_exporter(stack, base, settings)
 
     console.rule(f"4. load: {rate:.0f} changes/s for {duration:.0f}s into PostgreSQL")
     load = ShopLoad(settings.database.dsn(), settings.region_names, users=users, items=items)
@@ -248,7 +236,7 @@ def run(
     console.rule(f"6. a model worker in {region} ranks items with the live features")
     from workers.models.loading import WEIGHTS_DIR
 
-    worker_port = _free_port()
+    worker_port = free_port()
     stack.stop_app(f"worker-{region}")  # a previous demo's, on another port
     run_reported(
         lambda: stack.start_app(
@@ -299,23 +287,6 @@ def run(
     )
     if not report.ok:
         raise typer.Exit(EXIT_ERROR)
-
-
-def _print_monitoring_urls(settings: EdgefeedSettings) -> None:
-    monitoring = settings.monitoring
-    if monitoring.prometheus_port is not None:
-        console.print(
-            f"  prometheus: http://127.0.0.1:{monitoring.prometheus_port}/alerts "
-            "(rules: deploy/prometheus/alerts.yml)"
-        )
-    if monitoring.alertmanager_port is not None:
-        console.print(f"  alertmanager: http://127.0.0.1:{monitoring.alertmanager_port}/")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _burst(url: str, load: ShopLoad, region: str, items: int) -> dict[str, Any]:

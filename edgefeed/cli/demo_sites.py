@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from edgefeed.cli._common import EXIT_ERROR, console, fail, run_reported, settings_of
+from edgefeed.cli._demostack import free_port, start_exporter
 from edgefeed.cli.dev import print_status
 
 if TYPE_CHECKING:
@@ -200,12 +201,16 @@ def sites_demo(
         stack.stop_app(f"pipeline-{region}")
     for name, args, ready in apps:
         stack.stop_app(f"pipeline-{name}")  # a previous run's, started with other settings
+        port = free_port()
+        command = [*base, "pipeline", "run", *args, "--metrics-port", str(port)]
         run_reported(
-            lambda name=name, args=args, ready=ready: stack.start_app(  # type: ignore[misc]
-                f"pipeline-{name}", [*base, "pipeline", "run", *args], ready=ready, timeout_s=180
+            lambda name=name, command=command, ready=ready: stack.start_app(  # type: ignore[misc]
+                f"pipeline-{name}", command, ready=ready, timeout_s=180
             )
         )
+        stack.scrape("edgefeed-pipeline", f"pipeline-{name}", port)
         console.print(f"  pipeline {name}: ready")
+    start_exporter(stack, base, settings)
 
     console.rule(f"4. load {rate:.0f} changes/s; cut {link} for {cut_s:.0f}s, then heal")
     load = ShopLoad(settings.database.dsn(), settings.region_names)
@@ -243,8 +248,13 @@ def sites_demo(
     console.rule("5. every region equals a recomputation from PostgreSQL (no loss, no double)")
     report = verify_until(settings, settings.region_names, timeout_s=120)
     print_verified(report)
+    if settings.monitoring.prometheus_port is not None:
+        console.rule("6. alerts: the rules of deploy/prometheus on the local Prometheus")
+        from edgefeed.localalerts import print_alert_state
+
+        print_alert_state(console, settings.monitoring)
     console.print(
-        "the sites and the pipeline keep running; `edgefeed --settings "
+        "the sites, the pipeline and the exporter keep running; `edgefeed --settings "
         f"{settings_path or 'edgefeed.yaml'} lag` shows links and seconds behind; stop "
         f"everything with: edgefeed --settings {settings_path or 'edgefeed.yaml'} dev down"
     )
