@@ -26,12 +26,14 @@ from edge_cache.settings import RegionSettings
 from edgefeed.errors import EdgefeedError
 from edgefeed.sites import SitesSettings
 from pipeline.settings import EntitySettings, FeatureReader, KafkaSettings, PipelineSettings
+from workers.featurelog import FeatureLogSettings
 
 __all__ = [
     "EdgefeedSettings",
     "KafkaSettings",
     "MonitoringSettings",
     "SettingsError",
+    "WorkersFileSettings",
     "expand_env",
     "load_settings",
     "secrets_of",
@@ -66,6 +68,22 @@ class MonitoringSettings(BaseModel):
     scrape_interval_s: float = Field(default=5.0, ge=1.0, le=60.0)
 
 
+class WorkersFileSettings(BaseModel):
+    """``workers:`` in edgefeed.yaml: what every model worker of the deployment shares.
+
+    The rest of a worker's settings are its own (``EDGEFEED_WORKERS_*``,
+    ``edgefeed workers serve`` options: :class:`workers.settings.WorkerSettings`).
+
+    Attributes:
+        feature_log: Log what the models that read features were fed (None: no
+            log); see :class:`workers.featurelog.FeatureLogSettings`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    feature_log: FeatureLogSettings | None = None
+
+
 class EdgefeedSettings(BaseSettings):
     """Everything edgefeed needs to know about one deployment.
 
@@ -90,6 +108,7 @@ class EdgefeedSettings(BaseSettings):
     models: list[FeatureReader] = Field(default_factory=list)
     sites: SitesSettings = Field(default_factory=SitesSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    workers: WorkersFileSettings = Field(default_factory=WorkersFileSettings)
 
     @model_validator(mode="after")
     def _regions_consistent(self) -> EdgefeedSettings:

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from workers.batcher import BatchingConfig, DynamicBatcher
     from workers.client import InferenceAnswer, WorkerClient
+    from workers.featurelog import FeatureLogger, FeatureLogSettings
     from workers.features import EdgeCacheFeatureSource, FeatureSource
+    from workers.logfiles import join_labels, summarize
     from workers.models import load_served_model
     from workers.runtime import ModelRunner, RuntimeConfig
     from workers.server import InferenceServer, ServerConfig
@@ -24,6 +26,8 @@ __all__ = [
     "BatchingConfig",
     "DynamicBatcher",
     "EdgeCacheFeatureSource",
+    "FeatureLogSettings",
+    "FeatureLogger",
     "FeatureSource",
     "InferenceAnswer",
     "InferenceServer",
@@ -34,13 +38,17 @@ __all__ = [
     "ServerTiming",
     "WorkerClient",
     "WorkerSettings",
+    "join_labels",
     "load_served_model",
+    "summarize",
 ]
 
 _HOME = {
     "BatchingConfig": "workers.batcher",
     "DynamicBatcher": "workers.batcher",
     "EdgeCacheFeatureSource": "workers.features",
+    "FeatureLogSettings": "workers.featurelog",
+    "FeatureLogger": "workers.featurelog",
     "FeatureSource": "workers.features",
     "InferenceAnswer": "workers.client",
     "InferenceServer": "workers.server",
@@ -51,7 +59,9 @@ _HOME = {
     "ServerTiming": "workers.timing",
     "WorkerClient": "workers.client",
     "WorkerSettings": "workers.settings",
+    "join_labels": "workers.logfiles",
     "load_served_model": "workers.models",
+    "summarize": "workers.logfiles",
 }
 
 

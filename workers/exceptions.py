@@ -18,6 +18,7 @@ __all__ = [
     "ClientDisconnectedError",
     "DeadlineExceededError",
     "DrainingError",
+    "FeatureLogError",
     "FeatureLookupError",
     "InvalidTensorError",
     "MissingFeaturesError",
@@ -46,6 +47,13 @@ class WorkersError(EdgefeedError):
 
 class WorkerConfigError(WorkersError, ValueError):
     """A worker setting is invalid (device, precision, batch sizes). Not retryable."""
+
+    http_status = 500
+
+
+class FeatureLogError(WorkersError, ValueError):
+    """A feature log folder or a labels file cannot be read or joined as asked (a
+    corrupt Parquet file, a missing join column). Not retryable: fix the input."""
 
     http_status = 500
 

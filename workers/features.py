@@ -32,6 +32,7 @@ import numpy as np
 from edge_cache import (
     AsyncFeatureClient,
     EdgeCacheError,
+    FeatureSchema,
     LookupOverloadedError,
     RegionUnavailableError,
     SchemaVersionError,
@@ -216,6 +217,11 @@ class EdgeCacheFeatureSource:
         # stored NaN read as missing: the request's on_missing policy decides.
         values: Any = result.to_numpy()
         return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
+
+    def schema(self, entity: str) -> FeatureSchema | None:
+        """The schema this source reads ``entity`` with (None: not one it reads)."""
+        reader = self.client.core.readers.get(entity)
+        return None if reader is None else reader.schema
 
     async def aclose(self) -> None:
         """Finish the lookups in flight, then close the lookup client (when owned)."""

@@ -18,6 +18,10 @@ Endpoints:
     up or draining (take the worker out of the load balancer).
 ``GET /metrics``
     Prometheus exposition.
+
+With a feature log (:mod:`workers.featurelog`), every answer of a model that
+reads features carries ``X-Edgefeed-Request-Id`` (the request's own, when it
+sent one of at most 128 characters): the key that joins its log row to labels.
 """
 
 from __future__ import annotations
@@ -26,16 +30,19 @@ import asyncio
 import collections
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import math
+import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 try:
     from aiohttp import web
@@ -78,7 +85,11 @@ from workers.timing import (
     ServerTiming,
 )
 
+if TYPE_CHECKING:
+    from workers.featurelog import FeatureLogger, FeatureLogSettings
+
 __all__ = [
+    "HEADER_REQUEST_ID",
     "EventLoop",
     "InferenceServer",
     "ServerConfig",
@@ -91,6 +102,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 1024
+
+#: Request and response header: the request's id in the feature log.
+HEADER_REQUEST_ID = "X-Edgefeed-Request-Id"
+_MAX_REQUEST_ID = 128
 
 
 LINGER_S = 1.0  # most time spent reading a refused request's body before closing
@@ -196,6 +211,7 @@ class _Slot:
     runner: ModelRunner | None = None
     batcher: DynamicBatcher | None = None
     series: _Series | None = None
+    log: FeatureLogger | None = None
 
 
 def _reason(exc: WorkersError) -> str:
@@ -238,6 +254,8 @@ class InferenceServer:
             :class:`~workers.supervisor.Supervisor`: ``/readyz`` is 200 only when
             every child is ready, ``/healthz`` counts them, and ``/metrics`` serves
             the sum over children (prometheus-client's multiprocess mode).
+        feature_log: Log what the models that read features were fed, sampled, to
+            Parquet (:mod:`workers.featurelog`); None: no log.
     """
 
     def __init__(
@@ -249,8 +267,12 @@ class InferenceServer:
         config: ServerConfig | None = None,
         registry: CollectorRegistry | None = None,
         cluster: Cluster | None = None,
+        feature_log: FeatureLogSettings | None = None,
     ) -> None:
         self.cluster = cluster
+        self.feature_log = feature_log
+        self._request_ids = itertools.count()
+        self._request_prefix = f"{uuid.uuid4().hex[:12]}-{os.getpid():x}-"
         self._scrape: CollectorRegistry | None = None
         if cluster is not None:
             # The children's series live in the supervisor's directory; the registry
@@ -293,6 +315,8 @@ class InferenceServer:
         self._slots = {model.name: _Slot(model) for model in models}
         if len(self._slots) != len(models):
             raise ValueError("model names must be distinct")
+        if feature_log is not None:
+            self._attach_logs(feature_log)
         self._ready = False
         self._draining = False
         self._stopped = False
@@ -311,6 +335,26 @@ class InferenceServer:
         ]
         self.warmup_ms: dict[str, dict[int, float]] = {}
         self.port = 0
+
+    def _attach_logs(self, settings: FeatureLogSettings) -> None:
+        from workers.featurelog import FeatureLogger
+
+        child = 0 if self.cluster is None else self.cluster.index
+        for name, slot in self._slots.items():
+            layout = slot.model.log_layout()
+            if layout is not None:
+                slot.log = FeatureLogger(
+                    settings,
+                    layout,
+                    model=name,
+                    model_version=slot.model.version,
+                    region=self.config.region,
+                    child=child,
+                )
+
+    def feature_logger(self, name: str) -> FeatureLogger | None:
+        """The feature log of model ``name`` (None: not logged)."""
+        return self._slots[name].log
 
     @property
     def url(self) -> str:
@@ -359,6 +403,10 @@ class InferenceServer:
             lingering_time=LINGER_S,
         )
         await self._runner.setup()
+        loop = asyncio.get_running_loop()
+        for slot in self._slots.values():
+            if slot.log is not None:
+                slot.log.start(loop)
         self._site = GuardedTCPSite(
             self._runner,
             self.config.host,
@@ -478,6 +526,9 @@ class InferenceServer:
             self._gc_flush.cancel()
         for slot in self._slots.values():
             await slot.model.aclose()
+            if slot.log is not None:
+                # Off the event loop: closing converts the open file to Parquet.
+                await asyncio.to_thread(slot.log.close)
 
     async def __aenter__(self) -> InferenceServer:
         await self.start()
@@ -623,7 +674,10 @@ class InferenceServer:
         resumed = time.perf_counter()
         series.queue_depth.set(slot.batcher.queue_depth)
         text = self._render(slot, prepared, result.output)
-        end = time.perf_counter()
+        request_id = None
+        if slot.log is not None:
+            request_id = self._log(request, slot, prepared, result, start, data_start, data_s)
+        end = time.perf_counter()  # after the log: its cost is T_service too
         server_s = end - start
         service_s = max(0.0, server_s - data_s - result.model_s)
         named = {
@@ -650,12 +704,40 @@ class InferenceServer:
             series.phases[phase].observe(seconds)
         series.ok.inc()
         detail = request.headers.get(HEADER_TIMING_DETAIL) == "1"
+        headers = timing.headers(detail)
+        if request_id is not None:
+            headers[HEADER_REQUEST_ID] = request_id
         return web.Response(
             body=text,
             content_type="application/json",
             charset="utf-8",
-            headers=timing.headers(detail),
+            headers=headers,
         )
+
+    def _log(
+        self,
+        request: web.Request,
+        slot: _Slot,
+        prepared: Any,
+        result: Any,
+        start: float,
+        data_start: float,
+        data_s: float,
+    ) -> str:
+        """Offer the request to its model's feature log; its id for the answer."""
+        assert slot.log is not None
+        request_id = request.headers.get(HEADER_REQUEST_ID)
+        if not request_id or len(request_id) > _MAX_REQUEST_ID:
+            request_id = f"{self._request_prefix}{next(self._request_ids):x}"
+        now = time.perf_counter()
+        # The logged T_service stops here: the log's own append (microseconds) is
+        # in the answer's T_service only.
+        service_s = max(0.0, now - start - data_s - result.model_s)
+        read_time = time.time() - (now - data_start)  # the wall clock when the lookup began
+        slot.log.offer(
+            request_id, read_time, prepared, result.output, data_s, result.model_s, service_s
+        )
+        return request_id
 
     async def _read_body(self, request: web.Request, budget_s: float | None = None) -> bytes:
         """The request body, within ``body_timeout_s`` and the request's remaining

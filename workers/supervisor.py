@@ -139,6 +139,11 @@ class Cluster:
     def __init__(self, slot: ChildSlot) -> None:
         self._slot = slot
 
+    @property
+    def index(self) -> int:
+        """This child's place, 0 to ``processes - 1`` (its feature log files carry it)."""
+        return self._slot.index
+
     def mark_ready(self, ready: bool) -> None:
         """Record this child's readiness for every child to see."""
         self._slot.states[self._slot.index] = _READY if ready else _STARTING

@@ -254,4 +254,8 @@ def history_cmd(
 
 def register(app: typer.Typer) -> None:
     """Add ``edgefeed features`` to the root app."""
+    from edgefeed.cli.featurelogs import logs_app
+
+    if not any(group.name == "logs" for group in features_app.registered_groups):
+        features_app.add_typer(logs_app, name="logs")
     app.add_typer(features_app, name="features")

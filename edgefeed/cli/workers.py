@@ -262,6 +262,7 @@ def serve(
         coalesce_turns=settings.coalesce_turns if settings.coalesce_lookups else None,
     )
     rows = served.default_max_batch_size
+    feature_log = _feature_log(settings_path_of(ctx))
     server = run_reported(
         lambda: InferenceServer(
             [served],
@@ -269,6 +270,7 @@ def serve(
             batching=settings.batching(rows),
             config=settings.server(region),
             registry=registry,
+            feature_log=feature_log,
         )
     )
     security = ", ".join(
@@ -279,6 +281,9 @@ def serve(
         )
         if on
     )
+    if feature_log is not None:  # said at start: where the served values go
+        logged = f"feature log {feature_log.dir / region} at {feature_log.sample_rate:.0%}"
+        security = f"{security}, {logged}" if security else logged
 
     loop_name = run_reported(lambda: event_loop_name(settings.event_loop))
     if count > 1:
@@ -305,6 +310,15 @@ def serve(
         )
 
     run_reported(lambda: run_on_loop(run_server(server, announce), settings.event_loop))
+
+
+def _feature_log(path: Path | None) -> Any:
+    """``workers.feature_log`` of the settings file (None: no file, or no log)."""
+    from edgefeed.settings import resolve_settings_path
+
+    if not resolve_settings_path(path).exists():  # a worker needs no file unless it reads one
+        return None
+    return settings_at(path).workers.feature_log
 
 
 def _check_device(settings: Any) -> None:
@@ -353,6 +367,7 @@ def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
             config=config,
             registry=registry,
             cluster=Cluster(slot),
+            feature_log=_feature_log(spec.settings_path),
         )
         run_on_loop(run_server(server), settings.event_loop)
     except typer.Exit as exc:  # run_reported printed the error

@@ -5,11 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from workers.exceptions import NonFiniteOutputError
+
+if TYPE_CHECKING:
+    from workers.featurelog import LogLayout
 
 try:
     import torch
@@ -104,6 +107,10 @@ class ServedModel(ABC):
     def describe(self) -> dict[str, Any]:
         """Metadata for ``GET /v1/models``."""
         return {"name": self.name, "version": self.version, "kind": type(self).__name__}
+
+    def log_layout(self) -> LogLayout | None:
+        """What a feature log of this model holds (None: it reads no features, no log)."""
+        return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most models hold nothing
         """Release what :meth:`parse` uses (feature connections)."""

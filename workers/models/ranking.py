@@ -12,7 +12,7 @@ import asyncio
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from workers.exceptions import InvalidTensorError, MissingFeaturesError, Unsuppo
 from workers.features import FeatureSource
 from workers.models.base import Prepared, ServedModel
 from workers.models.config import PlainConfig
+
+if TYPE_CHECKING:
+    from workers.featurelog import LogLayout
 
 __all__ = ["MAX_ID_LENGTH", "RankRequest", "Ranker", "RankerConfig", "RankingNet"]
 
@@ -124,6 +127,11 @@ def _describe_missing(
         what = "no features" if len(missing) == len(names) else f"missing {missing}"
         parts.append(f"{entity} {_clip_id(entity_id)}: {what}")
     return "; ".join(parts[:10]) + (f" (and {len(parts) - 10} more)" if len(parts) > 10 else "")
+
+
+def _logged_ids(prepared: Prepared) -> tuple[Sequence[str], Sequence[str]]:
+    user_id, item_ids, _ = prepared.meta
+    return (user_id,), item_ids
 
 
 class Ranker(ServedModel):
@@ -263,6 +271,26 @@ class Ranker(ServedModel):
                 cfg.item_entity: list(cfg.item_features),
             },
         }
+
+    def log_layout(self) -> LogLayout:
+        """The user's and the items' ids and features, one log row per scored item."""
+        from workers.featurelog import LoggedEntity, LogLayout
+
+        cfg = self.config
+        schemas = {schema.entity: schema for schema in cfg.schemas()}
+        schema_of = getattr(self.features, "schema", None)
+        entities = []
+        for index, (entity, column, features) in enumerate(
+            (
+                (cfg.user_entity, "user_id", cfg.user_features),
+                (cfg.item_entity, "item_id", cfg.item_features),
+            )
+        ):
+            schema = (schema_of(entity) if schema_of is not None else None) or schemas[entity]
+            entities.append(
+                LoggedEntity(entity, column, features, index, schema.version, schema.personal)
+            )
+        return LogLayout(tuple(entities), _logged_ids)
 
     async def aclose(self) -> None:
         await self.features.aclose()
