@@ -90,12 +90,13 @@ class ReasonTally:
         self._counts.setdefault(key, Counter())[reason] += 1
         self._next[key] = offset + 1
 
-    async def read(
+    def read(
         self, consumer: Any, wanted: Mapping[TopicPartitionKey, int], deadline_s: float
     ) -> None:
-        """Read ``wanted`` partitions from their offsets with ``consumer`` (aiokafka,
-        group-less) until nothing more comes, ``max_records`` or the deadline."""
-        from aiokafka import TopicPartition
+        """Read ``wanted`` partitions from their offsets with ``consumer`` (kafka-python's
+        ``KafkaConsumer``, group-less) until nothing more comes, ``max_records`` or
+        the deadline."""
+        from kafka import TopicPartition
 
         if not wanted:
             return
@@ -106,9 +107,7 @@ class ReasonTally:
         read = 0
         deadline = time.monotonic() + deadline_s
         while read < self._max_records and time.monotonic() < deadline:
-            batch = await consumer.getmany(
-                timeout_ms=200, max_records=min(1000, self._max_records - read)
-            )
+            batch = consumer.poll(timeout_ms=200, max_records=min(1000, self._max_records - read))
             if not batch:
                 break
             for tp, records in batch.items():

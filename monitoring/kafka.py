@@ -1,25 +1,28 @@
 """Read consumer group offsets, partition offsets and record timestamps from Kafka.
 
-One admin client and one group-less consumer per round. The committed offsets
-are fetched with explicit partitions (every partition of every non-internal
-topic): Kafka answers ``-1`` where a group has none, and some Kafka-protocol
-brokers (Tansu) cannot answer the "all partitions" form. Lag in seconds comes
-from the timestamp of the next unconsumed record, fetched by seeking a
-group-less consumer to the committed offset: it is read, not estimated.
+kafka-python's synchronous clients (edgefeed_base.kafkaclients), in a worker
+thread of the monitor's round: one admin client and one group-less consumer per
+round. The committed offsets are fetched with explicit partitions (every
+partition of every non-internal topic): Kafka answers ``-1`` where a group has
+none, and some Kafka-protocol brokers (Tansu) cannot answer the "all
+partitions" form. Lag in seconds comes from the timestamp of the next
+unconsumed record, fetched by seeking a group-less consumer to the committed
+offset: it is read, not estimated.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from edgefeed_base.kafkaclients import KafkaClientError, KafkaClients, in_daemon_thread
 from monitoring.deadletters import ReasonTally
 from monitoring.exceptions import SourceUnavailableError
 
-__all__ = ["GroupOffsets", "KafkaSnapshot", "read_kafka"]
+__all__ = ["GroupOffsets", "KafkaSnapshot", "read_kafka", "read_kafka_sync"]
 
 TopicPartitionKey = tuple[str, int]
 
@@ -74,6 +77,8 @@ async def read_kafka(
 ) -> KafkaSnapshot:
     """Read offsets and next-record timestamps of the groups ``select_group`` accepts.
 
+    kafka-python's clients are synchronous: the read runs in a worker thread, so a
+    monitor's round reads Kafka while it reads the caches and the database.
     ``read_records_of`` limits the groups whose next records are fetched (for their
     timestamps; None: every selected group): the others get offsets only, and no
     record of their topics is read. ``reasons``, when given, reads the dead letters
@@ -82,77 +87,77 @@ async def read_kafka(
     Raises:
         SourceUnavailableError: the cluster could not be reached or refused a request.
     """
-    from aiokafka import AIOKafkaConsumer
-    from aiokafka.admin import AIOKafkaAdminClient
-    from aiokafka.errors import KafkaError
+    clients = KafkaClients(
+        tuple(bootstrap_servers),
+        client_id=client_id,
+        request_timeout_ms=request_timeout_ms,
+        options=client_options or {},
+    )
+    return await in_daemon_thread(
+        read_kafka_sync,
+        clients,
+        select_group=select_group,
+        read_records_of=read_records_of,
+        fetch_deadline_s=fetch_deadline_s,
+        reasons=reasons,
+    )
 
-    servers = ",".join(bootstrap_servers)
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=servers,
-        client_id=client_id,
-        request_timeout_ms=request_timeout_ms,
-        **(client_options or {}),
-    )
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=servers,
-        client_id=client_id,
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=50,
-        max_partition_fetch_bytes=64 * 1024,
-        request_timeout_ms=request_timeout_ms,
-        **(client_options or {}),
-    )
+
+def read_kafka_sync(
+    clients: KafkaClients,
+    *,
+    select_group: Callable[[str], bool],
+    read_records_of: Callable[[str], bool] | None = None,
+    fetch_deadline_s: float = 3.0,
+    reasons: ReasonTally | None = None,
+) -> KafkaSnapshot:
+    """:func:`read_kafka`, in the calling thread, with clients from ``clients``.
+
+    Raises:
+        SourceUnavailableError: the cluster could not be reached or refused a request.
+    """
     try:
-        await admin.start()
-        await consumer.start()
-        snapshot = await _read(
-            admin, consumer, select_group, read_records_of or select_group, fetch_deadline_s
-        )
-        if reasons is not None:
-            wanted = reasons.to_read(snapshot.oldest, snapshot.end)
-            await reasons.read(consumer, wanted, fetch_deadline_s)
-        return snapshot
-    except KafkaError as exc:
-        raise SourceUnavailableError(
-            "kafka",
-            f"cannot read offsets from {servers} ({type(exc).__name__}: {exc}); is the "
-            "broker running and kafka.bootstrap_servers right?",
-        ) from None
-    except OSError as exc:
-        raise SourceUnavailableError(
-            "kafka", f"cannot reach {servers} ({exc.strerror or exc})"
-        ) from None
-    finally:
-        await consumer.stop()
-        await admin.close()
+        with ExitStack() as stack:
+            admin = clients.admin()
+            stack.callback(admin.close)
+            consumer = clients.consumer(fetch_max_wait_ms=50, max_partition_fetch_bytes=64 * 1024)
+            stack.callback(consumer.close)
+            with clients.errors("read offsets"):
+                snapshot = _read(
+                    admin, consumer, select_group, read_records_of or select_group, fetch_deadline_s
+                )
+                if reasons is not None:
+                    wanted = reasons.to_read(snapshot.oldest, snapshot.end)
+                    reasons.read(consumer, wanted, fetch_deadline_s)
+            return snapshot
+    except KafkaClientError as exc:
+        raise SourceUnavailableError("kafka", str(exc)) from None
 
 
-async def _read(
+def _read(
     admin: Any,
     consumer: Any,
     select_group: Callable[[str], bool],
     read_records_of: Callable[[str], bool],
     fetch_deadline_s: float,
 ) -> KafkaSnapshot:
-    from aiokafka import TopicPartition
-    from aiokafka.errors import KafkaError
+    from kafka import TopicPartition
+    from kafka.errors import KafkaError
 
     group_ids = sorted(
-        {str(entry[0]) for entry in await admin.list_consumer_groups() if select_group(entry[0])}
+        {str(g["group_id"]) for g in admin.list_groups() if select_group(str(g["group_id"]))}
     )
-    topics = sorted(t for t in await admin.list_topics() if not _is_internal(t))
+    topics = sorted(t for t in admin.list_topics() if not _is_internal(t))
     tps: list[Any] = []
     if topics:
-        for described in await admin.describe_topics(topics):
+        for described in admin.describe_topics(topics):
             if described.get("error_code", 0):
                 continue
             for part in described["partitions"]:
-                tps.append(TopicPartition(described["topic"], int(part["partition"])))
+                tps.append(TopicPartition(described["name"], int(part["partition_index"])))
     at = time.time()
-    end_raw = await consumer.end_offsets(tps) if tps else {}
-    oldest_raw = await consumer.beginning_offsets(tps) if tps else {}
+    end_raw = consumer.end_offsets(tps) if tps else {}
+    oldest_raw = consumer.beginning_offsets(tps) if tps else {}
     end = {(tp.topic, tp.partition): int(v) for tp, v in end_raw.items()}
     oldest = {(tp.topic, tp.partition): int(v) for tp, v in oldest_raw.items()}
 
@@ -161,18 +166,17 @@ async def _read(
     states: dict[str, tuple[str, int | None]] = {}
     for group_id in group_ids:
         try:
-            response = (await admin.describe_consumer_groups([group_id]))[0]
+            described = admin.describe_groups([group_id]).get(group_id)
         except KafkaError:
             continue  # membership unknown: the status rules then assume a live member
-        for entry in response.groups:
-            # (error_code, group, state, protocol_type, protocol, members, ...)
-            states[str(entry[1])] = (str(entry[2]), len(entry[5]))
+        if described and not described.get("error"):
+            states[group_id] = (str(described["group_state"]), len(described["members"]))
 
     groups: list[GroupOffsets] = []
     for group_id in group_ids:
         committed: dict[TopicPartitionKey, int] = {}
         if tps:
-            offsets = await admin.list_consumer_group_offsets(group_id, partitions=tps)
+            offsets = admin.list_group_offsets({group_id: tps}).get(group_id, {})
             for tp, meta in offsets.items():
                 if meta.offset >= 0:
                     committed[(tp.topic, tp.partition)] = int(meta.offset)
@@ -186,7 +190,7 @@ async def _read(
         for key, offset in g.committed.items():
             if key in end and offset < end[key]:
                 wanted.setdefault(key, set()).add(max(offset, oldest.get(key, 0)))
-    found = await _timestamps_at(consumer, wanted, fetch_deadline_s)
+    found = _timestamps_at(consumer, wanted, fetch_deadline_s)
     next_ts: dict[tuple[str, str, int], int] = {}
     for g in groups:
         if not read_records_of(g.group):
@@ -195,12 +199,12 @@ async def _read(
             ts = found.get((key, max(offset, oldest.get(key, 0))))
             if ts is not None and offset < end.get(key, 0):
                 next_ts[(g.group, key[0], key[1])] = ts
-    cluster = await admin.describe_cluster()
+    cluster = admin.describe_cluster()
     brokers = len(cluster.get("brokers", ()))
     return KafkaSnapshot(at, oldest, end, tuple(groups), next_ts, brokers)
 
 
-async def _timestamps_at(
+def _timestamps_at(
     consumer: Any, wanted: dict[TopicPartitionKey, set[int]], deadline_s: float
 ) -> dict[tuple[TopicPartitionKey, int], int]:
     """Timestamp (ms) of the first record at or after each wanted offset.
@@ -208,7 +212,7 @@ async def _timestamps_at(
     A consumer has one position per partition, so partitions wanted at several
     offsets (several groups) are read in rounds.
     """
-    from aiokafka import TopicPartition
+    from kafka import TopicPartition
 
     pending = {key: sorted(offsets) for key, offsets in wanted.items() if offsets}
     found: dict[tuple[TopicPartitionKey, int], int] = {}
@@ -222,7 +226,7 @@ async def _timestamps_at(
         waiting = set(tps)
         deadline = time.monotonic() + deadline_s
         while waiting and time.monotonic() < deadline:
-            batch = await consumer.getmany(*waiting, timeout_ms=200)
+            batch = consumer.poll(timeout_ms=200)
             for tp, records in batch.items():
                 key = tps[tp]
                 for record in records:
@@ -232,6 +236,5 @@ async def _timestamps_at(
                         waiting.discard(tp)
                         consumer.pause(tp)
                         break
-            await asyncio.sleep(0)
         consumer.resume(*tps)
     return found

@@ -117,7 +117,8 @@ class MonitorConfig:
         slot_wal_bound_bytes: Retained WAL past this is an error.
         sample_size: Vectors sampled per region.
         secrets: Values never shown (the database password).
-        kafka_options: More aiokafka options: SASL and TLS (holds a password).
+        kafka_options: Security options of the Kafka clients (kafka.security: SASL and
+            TLS, as ``aiokafka_options()`` names them; holds a password).
         site_regions: Regions with a broker of their own: a forwarder carries their
             changes, so its group (``<prefix>-forward-<region>``) on the central
             broker is how far behind they are; the other regions' own groups are.

@@ -11,16 +11,22 @@ The newest incremental snapshot of each connector is folded into one
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from edgefeed_base.kafkaclients import KafkaClientError, KafkaClients, in_daemon_thread
 from monitoring.exceptions import SourceUnavailableError
 from monitoring.model import SnapshotReport, SnapshotTable
 
-__all__ = ["TAIL", "fold_notifications", "read_notifications", "read_snapshots"]
+__all__ = [
+    "TAIL",
+    "fold_notifications",
+    "read_notifications",
+    "read_notifications_sync",
+    "read_snapshots",
+]
 
 TAIL = 2000
 """Notifications read per partition (the newest): one per chunk of 1024 rows, so
@@ -127,71 +133,95 @@ async def read_notifications(
     """The newest ``tail`` notifications of each partition of ``topics``, in order.
 
     A topic that does not exist yet (no snapshot was ever signalled) reads as empty.
+    kafka-python's consumer is synchronous: the read runs in a worker thread.
 
     Raises:
         SourceUnavailableError: the cluster could not be reached.
     """
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.errors import KafkaError
-
-    found: dict[str, list[dict[str, Any]]] = {topic: [] for topic in topics}
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=list(bootstrap_servers),
+    clients = KafkaClients(
+        tuple(bootstrap_servers),
         client_id=client_id,
-        enable_auto_commit=False,
         request_timeout_ms=int(timeout_s * 1000),
-        fetch_max_wait_ms=50,
-        **(client_options or {}),
+        options=client_options or {},
     )
+    return await in_daemon_thread(
+        read_notifications_sync, clients, topics, timeout_s=timeout_s, tail=tail
+    )
+
+
+def read_notifications_sync(
+    clients: KafkaClients, topics: Sequence[str], *, timeout_s: float = 10.0, tail: int = TAIL
+) -> dict[str, list[dict[str, Any]]]:
+    """:func:`read_notifications` in the calling thread, with a consumer from ``clients``.
+
+    Raises:
+        SourceUnavailableError: the cluster could not be reached.
+    """
     try:
-        await asyncio.wait_for(consumer.start(), timeout_s)
-        existing = await consumer.topics()
-        partitions = [
-            TopicPartition(topic, p)
-            for topic in topics
-            if topic in existing
-            for p in sorted(consumer.partitions_for_topic(topic) or ())
-        ]
-        if not partitions:
-            return found
-        consumer.assign(partitions)
-        ends = await consumer.end_offsets(partitions)
-        starts = await consumer.beginning_offsets(partitions)
-        pending = {}
-        for tp in partitions:
-            first = max(starts[tp], ends[tp] - tail)
-            if ends[tp] > first:
-                consumer.seek(tp, first)
-                pending[tp] = ends[tp]
-        records: dict[Any, list[Any]] = {tp: [] for tp in pending}
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            batch = await consumer.getmany(*pending, timeout_ms=200)
-            for tp, got in batch.items():
-                records[tp].extend(got)
-                if got and got[-1].offset + 1 >= pending[tp]:
-                    del pending[tp]
-        ordered = sorted(
-            (r.timestamp, tp.partition, r.offset, tp.topic, r.value)
-            for tp, got in records.items()
-            for r in got
-        )
-        for _, _, _, topic, raw in ordered:
-            try:
-                value = json.loads(raw) if raw else None
-            except ValueError:
+        consumer = clients.consumer(fetch_max_wait_ms=50)
+        try:
+            with clients.errors("read snapshot notifications"):
+                records = _tails(consumer, topics, timeout_s, tail)
+        finally:
+            consumer.close()
+    except KafkaClientError as exc:
+        raise SourceUnavailableError("kafka", str(exc)) from None
+    found: dict[str, list[dict[str, Any]]] = {topic: [] for topic in topics}
+    ordered = sorted(
+        (r.timestamp, tp.partition, r.offset, tp.topic, r.value)
+        for tp, got in records.items()
+        for r in got
+    )
+    for _, _, _, topic, raw in ordered:
+        try:
+            value = json.loads(raw) if raw else None
+        except ValueError:
+            continue
+        if isinstance(value, dict) and "schema" in value and "payload" in value:
+            value = value["payload"]  # a JsonConverter with schemas enabled
+        if isinstance(value, dict):
+            found[topic].append(value)
+    return found
+
+
+def _tails(
+    consumer: Any, topics: Sequence[str], timeout_s: float, tail: int
+) -> dict[Any, list[Any]]:
+    """The newest ``tail`` records of each partition of the ``topics`` that exist."""
+    from kafka import TopicPartition
+
+    existing = consumer.topics()
+    partitions = [
+        TopicPartition(topic, p)
+        for topic in topics
+        if topic in existing
+        for p in sorted(consumer.partitions_for_topic(topic) or ())
+    ]
+    if not partitions:
+        return {}
+    consumer.assign(partitions)
+    ends = consumer.end_offsets(partitions)
+    starts = consumer.beginning_offsets(partitions)
+    pending = {}
+    for tp in partitions:
+        first = max(starts[tp], ends[tp] - tail)
+        if ends[tp] > first:
+            consumer.seek(tp, first)
+            pending[tp] = ends[tp]
+        else:
+            consumer.pause(tp)  # nothing to read: no fetch for it
+    records: dict[Any, list[Any]] = {tp: [] for tp in pending}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        batch = consumer.poll(timeout_ms=200)
+        for tp, got in batch.items():
+            if tp not in pending:
                 continue
-            if isinstance(value, dict) and "schema" in value and "payload" in value:
-                value = value["payload"]  # a JsonConverter with schemas enabled
-            if isinstance(value, dict):
-                found[topic].append(value)
-        return found
-    except (TimeoutError, KafkaError, OSError) as exc:
-        raise SourceUnavailableError(
-            "kafka", f"cannot read snapshot notifications: {type(exc).__name__}: {exc}"
-        ) from None
-    finally:
-        await consumer.stop()
+            records[tp].extend(got)
+            if got and got[-1].offset + 1 >= pending[tp]:
+                del pending[tp]
+                consumer.pause(tp)
+    return records
 
 
 async def read_snapshots(

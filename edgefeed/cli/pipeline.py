@@ -121,7 +121,7 @@ def run(
     from pipeline.app import build_region_app, build_router_app
     from pipeline.metrics import PipelineMetrics
     from pipeline.probes import Readiness, RegionReadiness
-    from pipeline.topics import ensure_topics
+    from pipeline.topics import ensure_topics_sync
 
     # The composition root owns the registry: the one its metrics endpoint serves.
     metrics = PipelineMetrics.create(REGISTRY)
@@ -158,13 +158,11 @@ def run(
         topics[names.region_dead_letter_topic(region or "")] = 1
         if settings.sites.bootstrap_of(region or "") is None:
             topics[names.dead_letter_topic] = 1
-    asyncio.run(
-        ensure_topics(
-            config.kafka.bootstrap_servers,
-            topics,
-            replication_factor=settings.pipeline.replication_factor,
-            client_options=settings.kafka.security.aiokafka_options(),
-        )
+    ensure_topics_sync(
+        config.kafka.bootstrap_servers,
+        topics,
+        replication_factor=settings.pipeline.replication_factor,
+        client_options=settings.kafka.security.aiokafka_options(),
     )
     app = (
         build_router_app(config, metrics, _history_source(settings), router_ready)

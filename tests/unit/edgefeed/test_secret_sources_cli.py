@@ -63,10 +63,10 @@ def test_the_regional_worker_starts_without_the_database_password(
     class ReachedKafka(Exception):
         pass
 
-    async def ensure_topics(*args: object, **kwargs: object) -> None:
+    def ensure_topics_sync(*args: object, **kwargs: object) -> None:
         raise ReachedKafka
 
-    monkeypatch.setattr(pipeline.topics, "ensure_topics", ensure_topics)
+    monkeypatch.setattr(pipeline.topics, "ensure_topics_sync", ensure_topics_sync)
     result = runner.invoke(app, ["--settings", str(path), "pipeline", "run", "--region", "us-east"])
     assert isinstance(result.exception, ReachedKafka), result.output
 

@@ -3,7 +3,7 @@ new records, a recreated topic starts over, retention skips ahead.
 
 The reads themselves run against the real broker in the sites test
 (tests/integration/pipeline/test_sites.py, the status page's dead letters); here
-a scripted consumer stands in for aiokafka's to pin the bookkeeping."""
+a scripted consumer stands in for kafka-python's to pin the bookkeeping."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Record:
 
 @dataclass
 class Consumer:
-    """aiokafka's assign/seek/getmany over in-memory partitions."""
+    """kafka-python's ``KafkaConsumer`` assign/seek/poll over in-memory partitions."""
 
     logs: dict[tuple[str, int], list[Record]]
     positions: dict[Any, int] = field(default_factory=dict)
@@ -43,15 +43,13 @@ class Consumer:
         self.positions[tp] = offset
         self.seeks.append((tp.topic, tp.partition, offset))
 
-    async def getmany(
-        self, timeout_ms: int = 0, max_records: int | None = None
-    ) -> dict[Any, list[Record]]:
+    def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[Any, list[Record]]:
         batch = {}
         for tp, position in self.positions.items():
             records = [
                 r for r in self.logs.get((tp.topic, tp.partition), []) if r.offset >= position
             ]
-            records = records[:2]  # small batches: several rounds of getmany
+            records = records[:2]  # small batches: several polls
             if records:
                 batch[tp] = records
                 self.positions[tp] = records[-1].offset + 1
@@ -62,13 +60,13 @@ def log(*reasons: str | None, start: int = 0) -> list[Record]:
     return [Record(start + i, headers(reason)) for i, reason in enumerate(reasons)]
 
 
-async def round_(
+def round_(
     tally: ReasonTally, consumer: Consumer, oldest: dict[Any, int], end: dict[Any, int]
 ) -> None:
-    await tally.read(consumer, tally.to_read(oldest, end), deadline_s=5)
+    tally.read(consumer, tally.to_read(oldest, end), deadline_s=5)
 
 
-async def test_reasons_are_counted_per_topic_across_partitions_and_only_new_ones_are_read() -> None:
+def test_reasons_are_counted_per_topic_across_partitions_and_only_new_ones_are_read() -> None:
     logs = {
         (CENTRAL, 0): log("unknown-region", "bad-json", "unknown-region"),
         (CENTRAL, 1): log("unknown-region"),
@@ -78,7 +76,7 @@ async def test_reasons_are_counted_per_topic_across_partitions_and_only_new_ones
     consumer = Consumer(logs)
     tally = ReasonTally([CENTRAL, EU])
     end = {key: len(records) for key, records in logs.items()}
-    await round_(tally, consumer, {}, end)
+    round_(tally, consumer, {}, end)
     assert tally.counts() == (
         (CENTRAL, "bad-json", 1),
         (CENTRAL, "unknown-region", 3),
@@ -92,59 +90,59 @@ async def test_reasons_are_counted_per_topic_across_partitions_and_only_new_ones
     logs[(CENTRAL, 1)] += log("bad-json", "bad-json", start=1)
     end[(CENTRAL, 1)] = 3
     consumer.seeks.clear()
-    await round_(tally, consumer, {}, end)
+    round_(tally, consumer, {}, end)
     assert sorted(consumer.seeks) == [(CENTRAL, 0, 3), (CENTRAL, 1, 1), (EU, 0, 2)]
     assert dict(((t, r), n) for t, r, n in tally.counts())[(CENTRAL, "bad-json")] == 3
     # Nothing new: nothing counted twice.
-    await round_(tally, consumer, {}, end)
+    round_(tally, consumer, {}, end)
     assert sum(n for _t, _r, n in tally.counts()) == 8
 
 
-async def test_records_past_a_reported_end_are_counted_once() -> None:
+def test_records_past_a_reported_end_are_counted_once() -> None:
     # Tansu reports a partition's end as the start of its last record batch.
     logs = {(CENTRAL, 0): log("a", "b", "c")}
     consumer = Consumer(logs)
     tally = ReasonTally([CENTRAL])
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 1})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 1})
     assert tally.counts() == ((CENTRAL, "a", 1), (CENTRAL, "b", 1), (CENTRAL, "c", 1))
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 1})
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 2})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 1})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 2})
     assert sum(n for _t, _r, n in tally.counts()) == 3
 
 
-async def test_a_recreated_topic_starts_over_and_retention_skips_ahead() -> None:
+def test_a_recreated_topic_starts_over_and_retention_skips_ahead() -> None:
     logs = {(CENTRAL, 0): log("a", "a", "a")}
     consumer = Consumer(logs)
     tally = ReasonTally([CENTRAL])
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 3})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 3})
     assert tally.counts() == ((CENTRAL, "a", 3),)
     # Deleted and made again: its end went down; the old counts go, the new ones count.
     logs[(CENTRAL, 0)] = log("b")
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 1})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 1})
     assert tally.counts() == ((CENTRAL, "b", 1),)
     # Retention removed offsets 1..9 before they were read: reading resumes at 10.
     logs[(CENTRAL, 0)] = log("c", "c", start=10)
     consumer.seeks.clear()
-    await round_(tally, consumer, {(CENTRAL, 0): 10}, {(CENTRAL, 0): 12})
+    round_(tally, consumer, {(CENTRAL, 0): 10}, {(CENTRAL, 0): 12})
     assert consumer.seeks == [(CENTRAL, 0, 10)]
     assert tally.counts() == ((CENTRAL, "b", 1), (CENTRAL, "c", 2))
     # The topic gone: its counts go with it.
-    await round_(tally, consumer, {}, {})
+    round_(tally, consumer, {}, {})
     assert tally.counts() == ()
 
 
-async def test_a_round_reads_at_most_max_records_and_the_next_goes_on() -> None:
+def test_a_round_reads_at_most_max_records_and_the_next_goes_on() -> None:
     logs = {(CENTRAL, 0): log(*["a"] * 7)}
     consumer = Consumer(logs)
     tally = ReasonTally([CENTRAL], max_records=4)
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 7})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 7})
     assert tally.counts() == ((CENTRAL, "a", 4),)
-    await round_(tally, consumer, {}, {(CENTRAL, 0): 7})
+    round_(tally, consumer, {}, {(CENTRAL, 0): 7})
     assert tally.counts() == ((CENTRAL, "a", 7),)
 
 
-async def test_an_empty_topic_is_not_read() -> None:
+def test_an_empty_topic_is_not_read() -> None:
     consumer = Consumer({})
     tally = ReasonTally([CENTRAL])
-    await round_(tally, consumer, {(CENTRAL, 0): 0}, {(CENTRAL, 0): 0})
+    round_(tally, consumer, {(CENTRAL, 0): 0}, {(CENTRAL, 0): 0})
     assert consumer.seeks == [] and tally.counts() == ()
