@@ -153,8 +153,8 @@ def shop_pipeline(
     seed: Callable[[psycopg.Connection[Any]], None] | None = None,
     wait_s: float = 240,
 ) -> Iterator[PipelineRun]:
-    """The shop's tables in ``schema``, its connector, and ``workers`` running (the
-    router first); everything is stopped and dropped afterwards, even on failure.
+    """The shop's tables in ``schema``, its connector, and ``workers`` running (started
+    side by side); everything is stopped and dropped afterwards, even on failure.
 
     Args:
         seed: Writes rows before the connector exists (history it never streams).
@@ -173,8 +173,10 @@ def shop_pipeline(
     run = PipelineRun(settings, settings_file, schema, folder)
     try:
         deploy.apply(client, settings.database, settings.sources, wait_s=wait_s)
-        for name in workers:
-            run.start(name)
+        # Side by side (as the sites' run starts them): their start-up waits overlap.
+        offsets = {name: run.spawn(name) for name in workers}
+        for name, offset in offsets.items():
+            run.wait_started(name, offset)
         yield run
     finally:
         run.stop_all()

@@ -446,10 +446,10 @@ def test_windows_are_read_as_of_the_read_time(pipeline_run: PipelineRun) -> None
         "INSERT INTO {s}.users (user_id, home_region, country, segment, email) VALUES "
         "(1005, 'us-east', 'US', 1, 'e@example.org'), (1006, 'us-east', 'US', 1, 'f@example.org')",
     )
-    # Six views that leave the 30-minute window 20..45 s from now: more changes than a
+    # Six views that leave the 30-minute window 12..27 s from now: more changes than a
     # value's schedule holds (4), so the value must be renewed to reach 0.
     for i in range(6):
-        add_event(run, 1005, 800 + i, 3, "2.00", "us-east", "view", 30 - (20 + 5 * i) / 60)
+        add_event(run, 1005, 800 + i, 3, "2.00", "us-east", "view", 30 - (12 + 3 * i) / 60)
     purchase_at = ANCHOR["at"] - timedelta(minutes=1)
     add_event(run, 1006, 900, 3, "5.00", "us-east", "purchase", 1)
 
@@ -460,7 +460,7 @@ def test_windows_are_read_as_of_the_read_time(pipeline_run: PipelineRun) -> None
         "user 1005's views",
         lambda: (vector(run, "us-east", "user", 1005) or {}).get("last_items.1") == 805,
     )
-    # Read before the views start to leave the window (20 s from now), so that the
+    # Read before the views start to leave the window (12 s from now), so that the
     # renewal below comes after it.
     key = "ef:{user:1005}"
     first = redis_of(run, "us-east").get(key)
