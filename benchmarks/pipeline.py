@@ -492,6 +492,28 @@ def retire_source(settings: EdgefeedSettings) -> None:
                 return
 
 
+def start_apps(
+    stack: DevStack, apps: list[tuple[str, list[str], str]], timeout_s: float = 180.0
+) -> None:
+    """Start ``apps`` (name, argv, the line its log prints once ready) side by side and
+    wait until each is ready: their start-up waits (imports, group joins) overlap."""
+    for name, argv, _ready in apps:
+        stack.start_app(name, argv)  # no ``ready``: it does not wait
+    waiting = {name: ready for name, _argv, ready in apps}
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        for name, ready in list(waiting.items()):
+            log = stack.log_path(f"{stack._APP_PREFIX}{name}")
+            if log.exists() and ready.encode() in log.read_bytes():
+                del waiting[name]
+                continue
+            record = read_pid(stack.pid_path(f"{stack._APP_PREFIX}{name}"))
+            if record is None or not record.alive() or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{name} did not become ready; the end of {log}:\n{tail}")
+        time.sleep(0.2)
+
+
 def freshness(
     settings: EdgefeedSettings,
     settings_file: Path,
@@ -509,12 +531,12 @@ def freshness(
     port = free_port()
     base = [EDGEFEED, "--settings", str(settings_file), "pipeline", "run", "--loglevel", "info"]
     router, worker = f"router{tag}", f"eu-west{tag}"
-    stack.start_app(router, [*base, "--role", "router"], ready="Worker]: Ready", timeout_s=180)
-    stack.start_app(
-        worker,
-        [*base, "--region", "eu-west", "--metrics-port", str(port)],
-        ready="Worker]: Ready",
-        timeout_s=180,
+    start_apps(
+        stack,
+        [
+            (router, [*base, "--role", "router"], "Worker]: Ready"),
+            (worker, [*base, "--region", "eu-west", "--metrics-port", str(port)], "Worker]: Ready"),
+        ],
     )
     load = ShopLoad(settings.database.dsn(), settings.region_names)
     load.seed_rows()
