@@ -201,18 +201,33 @@ class Suite:
         topics = {names.region_topic(r): self.settings.pipeline.partitions for r in self.regions}
         topics.update(dict.fromkeys(names.dead_letter_topics(self.regions), 1))
         asyncio.run(ensure_topics(self.settings.kafka.bootstrap_servers, topics))
-        for app in ("router", *self.regions):
-            self.start_app(app)
+        apps = ("router", *self.regions)
+        for app in apps:  # side by side: their start-up waits overlap
+            self.start_app(app, wait=False)
+        for app in apps:
+            self.wait_ready(app)
         self.load.shop.seed_rows()
 
     @property
     def regions(self) -> list[str]:
         return self.settings.region_names
 
-    def start_app(self, name: str, region: str | None = None) -> None:
+    def start_app(self, name: str, region: str | None = None, wait: bool = True) -> None:
         args = ["--role", "router"] if name == "router" else ["--region", region or name]
         argv = [EDGEFEED, "--settings", str(self.settings_file), "pipeline", "run", *args]
-        self.stack.start_app(name, argv, ready="Worker]: Ready", timeout_s=180)
+        self.stack.start_app(name, argv, ready="Worker]: Ready" if wait else None, timeout_s=180)
+
+    def wait_ready(self, name: str, timeout_s: float = 180.0) -> None:
+        """Wait for an app started with ``wait=False`` to report ready (its first run)."""
+        app = f"{self.stack._APP_PREFIX}{name}"
+        log = self.stack.log_path(app)
+        deadline = time.monotonic() + timeout_s
+        while b"Worker]: Ready" not in (log.read_bytes() if log.exists() else b""):
+            record = read_pid(self.stack.pid_path(app))
+            if record is None or not record.alive() or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{name} did not become ready; the end of {log}:\n{tail}")
+            time.sleep(0.2)
 
     def kill9(self, service: str, app: bool) -> None:
         name = f"{self.stack._APP_PREFIX}{service}" if app else service
