@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/serving.py --smoke               # seconds; the test suite runs it
     .venv/bin/python benchmarks/serving.py --rate 600            # the same 8 clients, paced
     .venv/bin/python benchmarks/serving.py --processes 2         # 'after' on 2 processes
+    .venv/bin/python benchmarks/serving.py --baseline-ref '' --feature-log  # logging's cost
 
 What it runs, all on loopback:
 
@@ -19,7 +20,11 @@ What it runs, all on loopback:
   ranking requests of 20 candidates, rounds alternating between the two
   workers so a neighbour's burst on this shared machine falls on both;
   with ``--rate R`` the clients are paced to R requests/s in all (still at
-  most ``--concurrency`` in flight), to read T_service below saturation.
+  most ``--concurrency`` in flight), to read T_service below saturation;
+* with ``--feature-log``, a third worker from this tree ("logged") that logs
+  every request it serves (``workers.feature_log`` at ``sample_rate: 1``) to
+  Parquet in the temporary folder, in the same alternating rounds: the ratio
+  logged/after is what logging costs (issue 32: T_service p50 within 10%).
 
 It reports T_service, T_data, T_model and T_total p50/p95/p99 per worker (from
 the response headers, as every client sees them), the ratios after/before, and
@@ -122,6 +127,7 @@ class Worker:
     def __init__(
         self, name: str, tree: Path, settings: Path, extra: list[str], env: dict[str, str]
     ) -> None:
+        self.settings = settings
         self.name = name
         env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "300", **env}
         self.process = subprocess.Popen(
@@ -275,6 +281,13 @@ def _detail(result: LoadResult) -> dict[str, dict[str, float]]:
     }
 
 
+def _logged_rows(folder: Path) -> int:
+    """Rows in the complete log files under ``folder`` (every request's items)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(path).metadata.num_rows for path in folder.rglob("*.parquet"))
+
+
 def _extract(ref: str, into: Path) -> None:
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True
@@ -307,6 +320,12 @@ def main() -> None:
         default=1,
         help="worker processes of the 'after' worker (edgefeed workers serve --processes); "
         "'before' runs one process",
+    )
+    parser.add_argument(
+        "--feature-log",
+        action="store_true",
+        help="also run a worker of this tree logging every request (workers.feature_log, "
+        "sample_rate 1), alternating with 'after'",
     )
     parser.add_argument("--out", type=Path, default=None, help="report path (JSON)")
     args = parser.parse_args()
@@ -356,12 +375,21 @@ def main() -> None:
                 _extract(args.baseline_ref, before)
                 variants["before"] = (before, _one_process(before))
             variants["after"] = (ROOT, ["--processes", str(args.processes)])
+            logs = work / "feature-logs"
+            logged_settings = work / "edgefeed-logged.yaml"
+            if args.feature_log:
+                logged_settings.write_text(
+                    settings.read_text()
+                    + f"workers:\n  feature_log: {{dir: '{logs}', sample_rate: 1.0}}\n"
+                )
+                variants["logged"] = (ROOT, ["--processes", str(args.processes)])
             workers: dict[str, Worker] = {}
             parts: dict[str, list[LoadResult]] = {name: [] for name in variants}
             cpu: dict[str, float] = dict.fromkeys(variants, 0.0)
             try:
                 for name, (tree, extra) in variants.items():
-                    workers[name] = Worker(name, tree, settings, extra, {})
+                    chosen = logged_settings if name == "logged" else settings
+                    workers[name] = Worker(name, tree, chosen, extra, {})
                 for _ in range(args.rounds):
                     for name, worker in workers.items():
                         used = worker.cpu_s()
@@ -380,6 +408,8 @@ def main() -> None:
             finally:
                 for worker in workers.values():
                     worker.close()
+            if args.feature_log:
+                report["feature_log_rows"] = _logged_rows(logs)
     runs: dict[str, Any] = {}
     for name in variants:
         merged = _merge(parts[name])
@@ -410,6 +440,18 @@ def main() -> None:
             for q in ("p50", "p95", "p99")
         }
         print(f"  T_service after/before: {report['ratios_after_over_before']}")
+    if "logged" in runs:
+        plain = runs["after"]["latency_ms"]["service"]
+        logged = runs["logged"]["latency_ms"]["service"]
+        report["ratios_logged_over_after"] = {
+            q: round(logged[q] / plain[q], 3) if plain[q] else None for q in ("p50", "p95", "p99")
+        }
+        sent = args.rounds * (args.requests + args.concurrency)
+        print(
+            f"  T_service logged/after: {report['ratios_logged_over_after']} "
+            f"(budget: p50 <= 1.10); {report['feature_log_rows']} rows logged "
+            f"of {sent} requests x 20 items"
+        )
     offered = f"paced to {args.rate:g} req/s" if args.rate else "closed loop, unpaced"
     print(
         f"  target (T_service p50 < 1 ms, p99 < 5 ms; {offered}): "

@@ -162,6 +162,11 @@ _Entry = tuple[str, float, "Prepared", np.ndarray, float, float, float]
 _STOP = object()
 
 
+def _rows_of(ids: Sequence[str], rows: int) -> Sequence[str]:
+    """A request's ids, one per row (a single id stands for every row)."""
+    return ids if len(ids) == rows else list(ids) * rows
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -454,48 +459,57 @@ class FeatureLogger:
     def _to_batch(self, entries: list[_Entry]) -> pa.RecordBatch:
         import pyarrow as pa
 
-        rows = [entry[2].rows for entry in entries]
-        total = int(sum(rows))
-        per_row: Callable[[Sequence[Any], Any], np.ndarray] = lambda values, dtype: np.repeat(  # noqa: E731
-            np.asarray(values, dtype=dtype), rows
-        )
+        # Arrow builds each column from one value per request (or one in all) and a
+        # take(): no Python object per row, so the writer holds the GIL briefly.
+        rows = np.fromiter((entry[2].rows for entry in entries), np.int64, len(entries))
+        total = int(rows.sum())
+        of_request = pa.array(np.repeat(np.arange(len(entries), dtype=np.int32), rows))
+        starts = np.repeat(np.cumsum(rows) - rows, rows)
+
+        def constant(value: str) -> pa.Array:
+            return pa.array([value], pa.string()).take(pa.array(np.zeros(total, np.int32)))
+
         columns: dict[str, Any] = {
-            "request_id": pa.array(per_row([e[0] for e in entries], object), pa.string()),
-            "row": pa.array(np.concatenate([np.arange(n, dtype=np.int32) for n in rows])),
+            "request_id": pa.array([e[0] for e in entries], pa.string()).take(of_request),
+            "row": pa.array((np.arange(total) - starts).astype(np.int32)),
             "read_time": pa.array(
-                (per_row([e[1] for e in entries], np.float64) * 1e6).astype(np.int64),
+                (np.array([e[1] for e in entries]) * 1e6).astype(np.int64),
                 pa.timestamp("us", tz="UTC"),
-            ),
-            "region": pa.array([self.region] * total, pa.string()),
-            "model": pa.array([self.model] * total, pa.string()),
-            "model_version": pa.array([self.model_version] * total, pa.string()),
-            "feature_set_version": pa.array([self.layout.feature_set_version] * total, pa.string()),
+            ).take(of_request),
+            "region": constant(self.region),
+            "model": constant(self.model),
+            "model_version": constant(self.model_version),
+            "feature_set_version": constant(self.layout.feature_set_version),
         }
         ids = [self.layout.ids(entry[2]) for entry in entries]
         for position, entity in enumerate(self.layout.entities):
             if entity not in self.entities:
                 continue
-            expanded: list[str] = []
-            for request_ids, n in zip(ids, rows, strict=True):
-                mine = request_ids[position]
-                expanded.extend(mine if len(mine) == n else list(mine) * n)
-            columns[entity.id_column] = pa.array(expanded, pa.string())
+            mine = [request_ids[position] for request_ids in ids]
+            if all(len(one) == 1 for one in mine):  # one id standing for every row
+                column = pa.array([one[0] for one in mine], pa.string()).take(of_request)
+            else:
+                column = pa.array(
+                    [i for one, n in zip(mine, rows, strict=True) for i in _rows_of(one, n)],
+                    pa.string(),
+                )
+            columns[entity.id_column] = column
             values = np.concatenate(
                 [
-                    np.asarray(e[2].inputs[entity.input_index]).reshape(n, -1)
+                    np.asarray(e[2].inputs[entity.input_index]).reshape(int(n), -1)
                     for e, n in zip(entries, rows, strict=True)
                 ]
-            )
+            ).T.copy()  # one contiguous row per feature: each column is a view
             for j, feature in enumerate(entity.features):
-                columns[entity.column(feature)] = pa.array(values[:, j])
-        outputs = [np.asarray(e[3]).reshape(n, -1) for e, n in zip(entries, rows, strict=True)]
+                columns[entity.column(feature)] = pa.array(values[j])
+        outputs = [np.asarray(e[3]).reshape(int(n), -1) for e, n in zip(entries, rows, strict=True)]
         prediction = np.concatenate(outputs)
         if prediction.shape[1] == 1:
             columns["prediction"] = pa.array(prediction[:, 0])
         else:
             flat = pa.array(prediction.reshape(-1))
             columns["prediction"] = pa.FixedSizeListArray.from_arrays(flat, prediction.shape[1])
-        terms = np.array([(e[4], e[5], e[6]) for e in entries], dtype=np.float64) * 1e3
+        terms = np.array([(e[4], e[5], e[6]) for e in entries], dtype=np.float32) * 1e3
         for position, name in enumerate(("t_data_ms", "t_model_ms", "t_service_ms")):
-            columns[name] = pa.array(np.repeat(terms[:, position].astype(np.float32), rows))
+            columns[name] = pa.array(terms[:, position]).take(of_request)
         return pa.RecordBatch.from_pydict(columns)
