@@ -153,9 +153,7 @@ class KafkaClients:
         Raises:
             KafkaUnavailableError, KafkaAuthError, KafkaOptionsError: see :meth:`errors`.
         """
-        from kafka import KafkaAdminClient
-
-        return self._build(KafkaAdminClient, "connect an admin client", self._common())
+        return self._build(_admin_class(), "connect an admin client", self._common())
 
     def consumer(self, **overrides: Any) -> Any:
         """A group-less ``kafka.KafkaConsumer`` that commits nothing (the caller
@@ -291,6 +289,41 @@ async def in_daemon_thread(function: Callable[..., T], *args: Any, **kwargs: Any
     name = f"edgefeed-{getattr(function, '__name__', 'call')}"
     threading.Thread(target=run, name=name, daemon=True).start()
     return await future
+
+
+_ADMIN_CLASS: list[type[Any]] = []
+
+
+def _admin_class() -> type[Any]:
+    """kafka-python's ``KafkaAdminClient``, reading the operations a broker reports as
+    authorized the way Kafka's Java client does: codes it does not know are skipped.
+
+    kafka-python 3.0.12 asks DescribeGroups (and Metadata) for the authorized
+    operations and turns each bit into its ``ACLOperation`` enum, which stops at
+    14. Tansu answers every bit set (``authorized_operations={0, 1, ..., 31}`` for
+    ``DescribeGroupsRequest(version=5, groups=['g'], include_authorized_operations=True)``),
+    so ``describe_groups`` raised ``ValueError: 15 is not a valid ACLOperation``
+    and no group's state or members could be read: a stopped worker's group would
+    never read as STOP. edgefeed reads no authorized operations.
+    """
+    if _ADMIN_CLASS:
+        return _ADMIN_CLASS[0]
+    from kafka import KafkaAdminClient
+    from kafka.admin import ACLOperation
+
+    known = {int(op) for op in ACLOperation} - {0, 1, 2}  # UNKNOWN, ANY, ALL: filters only
+
+    class AdminClient(KafkaAdminClient):  # type: ignore[misc]  # kafka-python is untyped
+        def _process_acl_operations(self, obj: dict[str, Any]) -> dict[str, Any]:
+            codes = obj.get("authorized_operations")
+            if codes is not None:
+                obj["authorized_operations"] = [
+                    ACLOperation(code).name for code in sorted(codes) if code in known
+                ]
+            return obj
+
+    _ADMIN_CLASS.append(AdminClient)
+    return AdminClient
 
 
 def _close_refused_sockets() -> None:

@@ -214,3 +214,18 @@ async def test_a_cancelled_call_does_not_hold_the_loop() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     release.set()
+
+
+def test_authorized_operations_with_unknown_codes_are_read_not_refused() -> None:
+    """Tansu reports every bit of DescribeGroups' authorized operations set; kafka-python
+    3.0.12 alone raised ``ValueError: 15 is not a valid ACLOperation`` on them, and no
+    group's members could be read."""
+    from edgefeed_base.kafkaclients import _admin_class
+
+    admin = _admin_class()
+    group = {"group_id": "g", "group_state": "Empty", "authorized_operations": set(range(32))}
+    read = admin._process_acl_operations(object.__new__(admin), group)
+    assert read["group_state"] == "Empty"
+    assert read["authorized_operations"][:2] == ["READ", "WRITE"]
+    assert "DESCRIBE_TOKENS" in read["authorized_operations"]
+    assert len(read["authorized_operations"]) == 12  # codes 3..14
