@@ -158,11 +158,14 @@ def run(
         topics[names.region_dead_letter_topic(region or "")] = 1
         if settings.sites.bootstrap_of(region or "") is None:
             topics[names.dead_letter_topic] = 1
-    ensure_topics_sync(
-        config.kafka.bootstrap_servers,
-        topics,
-        replication_factor=settings.pipeline.replication_factor,
-        client_options=settings.kafka.security.aiokafka_options(),
+    # A broker that cannot be reached: one message naming it, not a traceback.
+    run_reported(
+        lambda: ensure_topics_sync(
+            config.kafka.bootstrap_servers,
+            topics,
+            replication_factor=settings.pipeline.replication_factor,
+            client_options=settings.kafka.security.aiokafka_options(),
+        )
     )
     app = (
         build_router_app(config, metrics, _history_source(settings), router_ready)
