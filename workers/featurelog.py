@@ -191,6 +191,11 @@ def recover_leftovers(folder: Path) -> list[Path]:
     import pyarrow.parquet as pq
 
     written: list[Path] = []
+    for claimed in folder.glob(f"*{TEMP_SUFFIX}.recovering-*"):
+        pid = claimed.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):  # its recoverer died: try again
+            with contextlib.suppress(OSError):
+                os.rename(claimed, claimed.with_name(claimed.name.rsplit(".recovering-", 1)[0]))
     for temp in sorted(folder.glob(f"*{TEMP_SUFFIX}")):
         stem = temp.name[: -len(TEMP_SUFFIX)]
         match = _NAME.match(stem)
@@ -357,11 +362,15 @@ class FeatureLogger:
         self.flush()
         self._queue.join()
 
-    def close(self) -> None:
-        """Flush, close the open file (renamed to its final name) and stop the thread."""
+    def stop_timer(self) -> None:
+        """Stop flushing on the event loop (call on the loop's thread)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def close(self) -> None:
+        """Flush, close the open file (renamed to its final name) and stop the thread."""
+        self.stop_timer()
         self.flush()
         if self._thread is None:
             return
@@ -386,7 +395,11 @@ class FeatureLogger:
             except queue.Empty:
                 item = None
             if item is _STOP:
-                self._close_file()
+                try:
+                    self._close_file()
+                except Exception:  # the stream stays on disk: the next start recovers it
+                    self.errors += 1
+                    log.exception("feature log of %s: closing the last file failed", self.model)
                 self._queue.task_done()
                 return
             try:

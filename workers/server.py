@@ -527,6 +527,7 @@ class InferenceServer:
         for slot in self._slots.values():
             await slot.model.aclose()
             if slot.log is not None:
+                slot.log.stop_timer()
                 # Off the event loop: closing converts the open file to Parquet.
                 await asyncio.to_thread(slot.log.close)
 
