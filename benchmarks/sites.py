@@ -146,7 +146,13 @@ def phase_mapping(base: dict[str, Any], phase: str, tag: str) -> dict[str, Any]:
 
 
 def run_phase(
-    phase: str, mapping: dict[str, Any], state: Path, stack: DevStack, rate: float, seconds: float
+    phase: str,
+    mapping: dict[str, Any],
+    state: Path,
+    stack: DevStack,
+    rate: float,
+    seconds: float,
+    smoke: bool = False,
 ) -> dict[str, Any]:
     settings = settings_from_mapping(mapping)
     settings_file = state / f"edgefeed-{phase}.yaml"
@@ -158,25 +164,24 @@ def run_phase(
     with ConnectClient(settings.connect.url, timeout_s=30) as client:
         deploy.apply(client, settings.database, settings.sources, wait_s=120)
         try:
-            stack.start_app(
-                f"{phase}-router",
-                [*base, "--role", "router"],
-                ready="Worker]: Ready",
-                timeout_s=180,
-            )
+            apps = [
+                (f"{phase}-router", [*base, "--role", "router"], "Worker]: Ready"),
+                (
+                    f"{phase}-eu-west",
+                    [*base, "--region", "eu-west", "--metrics-port", str(port)],
+                    "Worker]: Ready",
+                ),
+            ]
             if phase != "single":
-                stack.start_app(
-                    f"{phase}-forward",
-                    [*base, "--role", "forwarder", "--region", "eu-west"],
-                    ready="forwarder ready",
-                    timeout_s=180,
+                apps.insert(
+                    1,
+                    (
+                        f"{phase}-forward",
+                        [*base, "--role", "forwarder", "--region", "eu-west"],
+                        "forwarder ready",
+                    ),
                 )
-            stack.start_app(
-                f"{phase}-eu-west",
-                [*base, "--region", "eu-west", "--metrics-port", str(port)],
-                ready="Worker]: Ready",
-                timeout_s=180,
-            )
+            bench_pipeline.start_apps(stack, apps)
             load = ShopLoad(settings.database.dsn(), settings.region_names)
             load.seed_rows()
             # The seed's vectors are written before the load starts, in every phase:
@@ -186,12 +191,18 @@ def run_phase(
             before_link = {link["name"]: link for link in wan.status()}[LINK]
             before = freshness_buckets(port)
             result = load.run(rate, seconds)
-            time.sleep(3.0)  # drain
+            if not smoke:  # (the waits for quiet below drain it too)
+                time.sleep(3.0)  # drain
             if phase != "single":
                 link_quiet(wan)  # every change has crossed: the bytes are all counted
             settled(port)
             after_link = {link["name"]: link for link in wan.status()}[LINK]
-            timings = forwarder_timings(stack, f"{phase}-forward") if phase != "single" else {}
+            timings = (
+                # a smoke run takes the last logged line rather than wait for the next
+                forwarder_timings(stack, f"{phase}-forward", wait=not smoke)
+                if phase != "single"
+                else {}
+            )
             # The load's vectors only (the histogram since the load began).
             quantiles = delta_quantiles(before, freshness_buckets(port), (0.5, 0.99))
         finally:
@@ -411,6 +422,7 @@ def run_partition(
     window_s: float,
     rounds: int,
     warmup_s: float,
+    smoke: bool = False,
 ) -> dict[str, Any]:
     """No-cut and cut windows in turns under one steady load; see the module docstring."""
     settings = settings_from_mapping(mapping)
@@ -432,34 +444,44 @@ def run_partition(
     with ConnectClient(settings.connect.url, timeout_s=30) as client:
         deploy.apply(client, settings.database, settings.sources, wait_s=120)
         try:
-            stack.start_app(
-                "partition-router", [*base, "--role", "router"], ready="Worker]: Ready",
-                timeout_s=180,
-            )  # fmt: skip
-            for region in regions:
-                stack.start_app(
-                    f"partition-forward-{region}",
-                    [*base, "--role", "forwarder", "--region", region],
-                    ready="forwarder ready",
-                    timeout_s=180,
-                )
-                stack.start_app(
-                    f"partition-{region}",
-                    [*base, "--region", region, "--metrics-port", str(ports[region])],
-                    ready="Worker]: Ready",
-                    timeout_s=180,
-                )
-            stack.start_app(
-                "partition-exporter",
-                [EDGEFEED, "--settings", str(settings_file), "exporter", "--port",
-                 str(exporter_port), "--interval", "1", "--state-dir", str(stack.state_dir)],
-                ready="serving metrics",
-                timeout_s=120,
+            bench_pipeline.start_apps(
+                stack,
+                [
+                    ("partition-router", [*base, "--role", "router"], "Worker]: Ready"),
+                    *(
+                        (
+                            f"partition-forward-{region}",
+                            [*base, "--role", "forwarder", "--region", region],
+                            "forwarder ready",
+                        )
+                        for region in regions
+                    ),
+                    *(
+                        (
+                            f"partition-{region}",
+                            [*base, "--region", region, "--metrics-port", str(ports[region])],
+                            "Worker]: Ready",
+                        )
+                        for region in regions
+                    ),
+                ],
+            )
+            # The exporter once the pipeline runs, as an operator would start it.
+            bench_pipeline.start_apps(
+                stack,
+                [
+                    (
+                        "partition-exporter",
+                        [EDGEFEED, "--settings", str(settings_file), "exporter", "--port",
+                         str(exporter_port), "--interval", "1", "--state-dir",
+                         str(stack.state_dir)],
+                        "serving metrics",
+                    ),
+                ],
             )  # fmt: skip
             load = ShopLoad(settings.database.dsn(), regions)
             load.seed_rows()
-            for region in regions:
-                settled(ports[region], region=region)
+            settled(ports)  # every region, watched together
             with (
                 SteadyLoad(load, rate) as steady,
                 ExporterWatch(exporter_port) as watch,
@@ -529,7 +551,9 @@ def run_partition(
                             "heal_to_caught_up_s": None if took is None else round(took, 1),
                         }
                     )
-                    time.sleep(5.0)  # eu-west's catch-up burst is not the next no-cut window's
+                    # eu-west's catch-up burst is not the next no-cut window's (a smoke
+                    # run asserts no timing)
+                    time.sleep(1.0 if smoke else 5.0)
                 # A closing no-cut window, so that every cut window has a no-cut window on
                 # each side: on Tansu every window is slower than the one before it (the
                 # broker pays for a partition's whole length on each fetch), and a cut
@@ -547,8 +571,7 @@ def run_partition(
                 )
             report["rate_written"] = round(steady.changes / max(steady.seconds, 1e-9), 1)
             report["changes"] = steady.changes
-            for region in regions:
-                settled(ports[region], region=region)
+            settled(ports)  # every region, watched together
             started = time.monotonic()
             result = verify(settings, regions)
             while not result.ok and time.monotonic() - started < 180:
@@ -659,16 +682,23 @@ def delta_quantiles(
 
 
 def settled(
-    port: int, quiet_s: float = 3.0, limit_s: float = 180.0, region: str = "eu-west"
+    port: int | dict[str, int],
+    quiet_s: float = 3.0,
+    limit_s: float = 180.0,
+    region: str = "eu-west",
 ) -> None:
-    """Wait until the worker has written no vector for ``quiet_s`` (it applied all it had)."""
+    """Wait until the worker has written no vector for ``quiet_s`` (it applied all it had);
+    given ``{region: port}``, until every region's worker has (watched together)."""
+    ports = port if isinstance(port, dict) else {region: port}
     deadline = time.monotonic() + limit_s
-    last, since = -1.0, time.monotonic()
+    last = dict.fromkeys(ports, -1.0)
+    since = dict.fromkeys(ports, time.monotonic())
     while time.monotonic() < deadline:
-        count = max(freshness_buckets(port, region).values(), default=0.0)
-        if count != last:
-            last, since = count, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
+        for name, metrics_port in ports.items():
+            count = max(freshness_buckets(metrics_port, name).values(), default=0.0)
+            if count != last[name]:
+                last[name], since[name] = count, time.monotonic()
+        if all(time.monotonic() - at >= quiet_s for at in since.values()):
             return
         time.sleep(0.5)
 
@@ -735,13 +765,20 @@ def main() -> None:
         if partition:
             report["phases"].append(
                 run_partition(
-                    base, state, stack, args.rate, args.seconds, args.rounds, args.warmup_s
+                    base,
+                    state,
+                    stack,
+                    args.rate,
+                    args.seconds,
+                    args.rounds,
+                    args.warmup_s,
+                    smoke=args.smoke,
                 )
             )
         for phase in [] if partition else phases:
             mapping = phase_mapping(base, phase, tag)
             report["phases"].append(
-                run_phase(phase, mapping, state, stack, args.rate, args.seconds)
+                run_phase(phase, mapping, state, stack, args.rate, args.seconds, args.smoke)
             )
     finally:
         stack.down()
