@@ -32,7 +32,9 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from connectors.database import COMMIT_MS
@@ -44,6 +46,7 @@ from pipeline.messages import RegionalChange
 from pipeline.recompute import debezium_value
 from pipeline.routing import Router
 from pipeline.settings import EntitySettings
+from pipeline.training_columnar import ColumnarHistory, Unsupported
 
 __all__ = [
     "ARROW_TYPES",
@@ -280,6 +283,9 @@ class TrainingSet:
         # start of each history. Only the last batch's entities are kept.
         self._carried: dict[str, tuple[EntityState | None, int, int]] = {}
         self._carrying: dict[str, tuple[EntityState | None, int, int]] = {}
+        self._columnar: ColumnarHistory | None = None
+        # Why the columnar engine does not compute this entity's features (None: it does).
+        self.replay_reason: str | None = None
         for change in sorted(changes, key=lambda c: (c.commit_ms, c.lsn, c.seq)):
             try:
                 routed = router.route(change)
@@ -350,35 +356,79 @@ class TrainingSet:
         fields = [*spine, *(pa.field(f.name, ARROW_TYPES[f.dtype]) for f in self.features)]
         return pa.schema(fields, metadata=self.metadata())
 
+    def columnar(self) -> ColumnarHistory | None:
+        """The history as row-version intervals (pipeline.training_columnar), built on
+        first use; None where a feature is not computed there (``replay_reason``)."""
+        if self._columnar is None and self.replay_reason is None:
+            try:
+                self._columnar = ColumnarHistory(self.engine, self._history)
+            except Unsupported as exc:
+                self.replay_reason = str(exc)
+        return self._columnar
+
     def batches(
         self,
         spine: Iterable[pa.RecordBatch],
         entity_column: str,
         time_column: str,
         schema: pa.Schema | None = None,
+        *,
+        replay: bool = False,
     ) -> Iterator[pa.RecordBatch]:
-        """Each spine batch with the features as of its rows' read times, row for row."""
+        """Each spine batch with the features as of its rows' read times, row for row.
+
+        Args:
+            replay: Replay each entity's history through the engine per batch (the
+                reference the columnar engine is tested against; much slower).
+        """
+        columnar = None if replay else self.columnar()
         for batch in spine:
             out = schema or self.output_schema(batch.schema, entity_column, time_column)
             schema = out
-            ids = _required(batch, entity_column)
-            times = _millis(batch, time_column)
-            by_id: dict[str, list[tuple[int, int]]] = {}
-            for row, (entity_id, at) in enumerate(zip(ids, times, strict=True)):
-                by_id.setdefault(str(entity_id), []).append((at, row))
-            found: list[dict[str, Any] | None] = [None] * batch.num_rows
-            self._carried, self._carrying = self._carrying, {}
-            for entity_id, wanted in by_id.items():
-                wanted.sort()
-                for (_, row), vector in zip(
-                    wanted, self.vectors(entity_id, [at for at, _ in wanted]), strict=True
-                ):
-                    found[row] = vector
-            columns = [
-                pa.array([v.get(f.name) if v else None for v in found], ARROW_TYPES[f.dtype])
-                for f in self.features
-            ]
-            yield pa.RecordBatch.from_arrays([*batch.columns, *columns], schema=out)
+            if columnar is None:
+                yield self._replayed(batch, entity_column, time_column, out)
+                continue
+            codes = self._codes(batch, entity_column)
+            times = _millis_array(batch, time_column)
+            yield pa.RecordBatch.from_arrays(
+                [*batch.columns, *columnar.columns(codes, times)], schema=out
+            )
+
+    def _codes(self, batch: pa.RecordBatch, column: str) -> np.ndarray:
+        """Each row's entity as its index in the history (-1: none), matched as text."""
+        values = batch.column(column)
+        _no_nulls(values, column)
+        known = self._columnar.ids if self._columnar is not None else []
+        kind = values.type
+        if pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            text = pc.cast(values, pa.string())  # integers as Python writes them
+        else:
+            text = pa.array([str(v) for v in values.to_pylist()], pa.string())
+        found = pc.index_in(text, value_set=pa.array(known, pa.string()))
+        return np.asarray(found.fill_null(-1).to_numpy(zero_copy_only=False), np.int64)
+
+    def _replayed(
+        self, batch: pa.RecordBatch, entity_column: str, time_column: str, out: pa.Schema
+    ) -> pa.RecordBatch:
+        """The reference path: each entity's history replayed through the engine."""
+        ids = _required(batch, entity_column)
+        times = _millis(batch, time_column)
+        by_id: dict[str, list[tuple[int, int]]] = {}
+        for row, (entity_id, at) in enumerate(zip(ids, times, strict=True)):
+            by_id.setdefault(str(entity_id), []).append((at, row))
+        found: list[dict[str, Any] | None] = [None] * batch.num_rows
+        self._carried, self._carrying = self._carrying, {}
+        for entity_id, wanted in by_id.items():
+            wanted.sort()
+            for (_, row), vector in zip(
+                wanted, self.vectors(entity_id, [at for at, _ in wanted]), strict=True
+            ):
+                found[row] = vector
+        columns = [
+            pa.array([v.get(f.name) if v else None for v in found], ARROW_TYPES[f.dtype])
+            for f in self.features
+        ]
+        return pa.RecordBatch.from_arrays([*batch.columns, *columns], schema=out)
 
 
 def check_spine(spine: pa.Schema, entity_column: str, time_column: str) -> None:
@@ -403,15 +453,30 @@ def check_spine(spine: pa.Schema, entity_column: str, time_column: str) -> None:
         )
 
 
-def _required(batch: pa.RecordBatch, column: str) -> list[Any]:
-    values = batch.column(column)
+def _no_nulls(values: pa.Array, column: str) -> None:
     if values.null_count:
         first = values.is_null().to_pylist().index(True)
         raise TrainingSetError(
             f"spine column {column!r} is null in {values.null_count} rows (the first: row "
             f"{first} of its batch); every row needs an entity id and a read time"
         )
+
+
+def _required(batch: pa.RecordBatch, column: str) -> list[Any]:
+    values = batch.column(column)
+    _no_nulls(values, column)
     return list(values.to_pylist())
+
+
+def _millis_array(batch: pa.RecordBatch, column: str) -> np.ndarray:
+    """A timestamp column as integer milliseconds since the epoch (rounded down)."""
+    values = batch.column(column)
+    _no_nulls(values, column)
+    raw = np.asarray(values.cast(pa.int64()).to_numpy(zero_copy_only=False), np.int64)
+    unit = values.type.unit
+    if unit == "s":
+        return raw * 1000
+    return raw // (_UNIT_MS[unit] or 1)
 
 
 def _millis(batch: pa.RecordBatch, column: str) -> list[int]:

@@ -1,4 +1,5 @@
-"""Keep benchmarks/history.py from rotting, and use its independent check: with the
+"""Keep benchmarks/history.py from rotting, and use its checks: the columnar engine
+equals the reference replay on every feature of every row; and, independently, with the
 late events taken out, pandas' merge_asof features (what a data scientist would
 write) must equal the training set's, row by row; with them, pandas counts late
 events before their commit (leakage) and the training set does not."""
@@ -24,6 +25,8 @@ def test_history_benchmark_small_run_agrees_with_pandas() -> None:
             "3000",
             "--spine",
             "2000",
+            "--check",
+            "2000",
         ],
         capture_output=True,
         text=True,
@@ -33,6 +36,7 @@ def test_history_benchmark_small_run_agrees_with_pandas() -> None:
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout
     assert "without the late events: pandas equals edgefeed on all 6 features" in out, out
+    assert "the first 2,000 rows equal the reference replay (all features)" in out, out
     differing = re.search(r"pandas rows differing \(late events[^)]*\): (.*)", out)
     assert differing, out
     counts = [int(n) for n in re.findall(r" (\d+)(?:,|$)", differing.group(1))]
