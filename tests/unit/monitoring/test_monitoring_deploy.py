@@ -217,11 +217,45 @@ def _pipeline_metric_names() -> set[str]:
     return names
 
 
+def _model_worker_metric_names() -> set[str]:
+    """The series the model workers serve at /metrics (counters with _total)."""
+    from prometheus_client import CollectorRegistry
+
+    from workers.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    WorkerMetrics("eu-west", registry)
+    names = set()
+    for family in registry.collect():
+        names |= {f"{family.name}{suffix}" for suffix in ("_bucket", "_count", "_sum", "_total")}
+    return names
+
+
 def test_alert_rules_and_dashboard_use_metrics_the_exporter_emits() -> None:
     """The alert rules and the dashboard read what the exporter emits; the freshness
-    SLO's recording rules read the workers' own histogram (scraped from the workers)."""
+    SLO's recording rules read the workers' own histogram (scraped from the workers),
+    and the serving alerts the model workers' series."""
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
-    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    serving = [r for g in rules["groups"] if g["name"] == "edgefeed-serving" for r in g["rules"]]
+    assert {r["alert"] for r in serving} == {
+        "EdgefeedServingErrors",
+        "EdgefeedServiceLatencyHigh",
+    }
+    from_model_workers: set[str] = set()
+    for rule in serving:
+        from_model_workers |= _metric_names(rule["expr"])
+    assert from_model_workers <= _model_worker_metric_names(), sorted(from_model_workers)
+    assert {
+        "edgefeed_worker_requests_total",
+        "edgefeed_worker_latency_seconds_bucket",
+    } <= from_model_workers
+    alerts = {
+        r["alert"]: r
+        for g in rules["groups"]
+        if g["name"] != "edgefeed-serving"
+        for r in g["rules"]
+        if "alert" in r
+    }
     recorded = [r for g in rules["groups"] for r in g["rules"] if "record" in r]
     from_workers: set[str] = set()
     for rule in recorded:
