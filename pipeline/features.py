@@ -448,7 +448,9 @@ class EntityEngine:
         current = rows.get(pk)
         if current is not None and (current[_LSN], current[_SEQ]) >= position:
             return state, False
-        index = self._index(state).get(table)
+        # An index that is not built yet (a state just read from the local store) is
+        # built from the rows when a vector is read, once, with this change in them.
+        index = state.index.get(table) if state.index is not None else None
         if op == "d":
             event_ms = current[_T] if current is not None else change.commit_ms
             rows[pk] = [lsn, seq, event_ms, 1, {}]
@@ -536,10 +538,13 @@ class EntityEngine:
         state["v"] = self.schema.version  # the feature-set version its next vector carries
         return state
 
-    def _index(self, state: EntityState) -> dict[str, TableIndex]:
+    def _index(self, state: EntityState, at_ms: int | None = None) -> dict[str, TableIndex]:
+        """The state's aggregate index, built from its rows if it has none yet (with
+        ``at_ms``: standing at that read time, where it is read first, instead of
+        filled at the newest event and moved there)."""
         if state.index is None:
             state.index = {
-                table: TableIndex(list(windows.values()), state["rows"].get(table, {}))
+                table: TableIndex(list(windows.values()), state["rows"].get(table, {}), at_ms)
                 for table, windows in self._windows.items()
             }
         return state.index
@@ -630,7 +635,7 @@ class EntityEngine:
         if not self.slots:
             values.update(self._aggregates(state, None))
             return self._checked(values), None
-        indexes = self._index(state)
+        indexes = self._index(state, now_ms)
         times: set[int] = set()
         for index in indexes.values():
             times.update(index.changes_after(now_ms, self.slots + 1))

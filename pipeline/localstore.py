@@ -58,7 +58,7 @@ import orjson
 
 from pipeline.exceptions import StateStoreError
 from pipeline.features import EntityState
-from pipeline.statestore import ROW_SEP, state_from_records
+from pipeline.statestore import ROW_SEP, state_from_tables
 
 __all__ = [
     "ChangelogWriter",
@@ -77,6 +77,7 @@ META_VERSIONS = b"\x00versions"
 META_LAST = b"\x00last"  # what the record at the saved offset is (see record_mark)
 RENEW = b"\x1e"
 _SEP = ROW_SEP.encode()
+_AFTER_SEP = bytes([_SEP[0] + 1])
 _NOT_ENTITY = (0x00, 0x1E, 0x1F)  # first bytes of keys that are not an entity's
 _UNTIL = struct.Struct(">Q")
 
@@ -148,21 +149,30 @@ class PartitionStore:
         return int(raw) if raw is not None else None
 
     def load(self, key: str) -> EntityState | None:
-        """The entity's working state (its record and its row chunks)."""
+        """The entity's working state (its record and its row chunks): one range read,
+        since the record's key sorts right before its chunks' (``key<US>...``)."""
+        import rocksdict
+
         raw_key = key.encode()
-        record = self.db.get(raw_key)
-        rows: list[tuple[str, str, list[Any]]] = []
-        prefix = raw_key + _SEP
-        it = self.db.iter()
-        it.seek(prefix)
-        while it.valid():
-            chunk_key = it.key()
-            if not chunk_key.startswith(prefix):
-                break
-            name = chunk_key[len(prefix) :].split(_SEP, 1)[0].decode()
-            rows.extend((name, pk, e) for pk, e in orjson.loads(it.value()).items())
-            it.next()
-        return state_from_records(orjson.loads(record) if record is not None else None, rows)
+        bound = rocksdict.ReadOptions()
+        bound.set_iterate_upper_bound(raw_key + _AFTER_SEP)  # "key\x20" > "key\x1f..."
+        record: Any = None
+        tables: dict[str, dict[str, list[Any]]] = {}
+        start = len(raw_key) + 1
+        for stored_key, value in self.db.items(from_key=raw_key, read_opt=bound):
+            if len(stored_key) == len(raw_key):
+                record = orjson.loads(value)
+                continue
+            if stored_key[start - 1] != _SEP[0]:  # another entity: "key\n..." sorts here too
+                continue
+            end = stored_key.find(_SEP, start)  # key<US>table<US>chunk
+            name = stored_key[start : end if end >= 0 else None].decode()
+            rows = tables.get(name)
+            if rows is None:
+                tables[name] = orjson.loads(value)
+            else:
+                rows.update(orjson.loads(value))
+        return state_from_tables(record, tables)
 
     def entity_keys(self) -> Iterator[str]:
         """Every entity key in the database, in key order."""

@@ -45,6 +45,7 @@ __all__ = [
     "fence_key",
     "rebuild_states",
     "state_from_records",
+    "state_from_tables",
     "store_state",
 ]
 
@@ -143,18 +144,29 @@ def state_from_records(
 ) -> EntityState | None:
     """One entity's working state from its entity record (None: missing) and its
     rows as ``(table, pk, entry)`` from its chunk records; None when it has neither."""
-    entries = list(rows)
+    tables: dict[str, dict[str, list[Any]]] = {}
+    for name, pk, entry in rows:
+        tables.setdefault(name, {})[pk] = entry
+    return state_from_tables(record, tables)
+
+
+def state_from_tables(record: Any, tables: dict[str, dict[str, list[Any]]]) -> EntityState | None:
+    """:func:`state_from_records` with the chunk records' rows merged per table
+    (table -> pk -> entry: what the local store reads back); ``tables`` is taken."""
     if record is not None:
         state = EntityState(record)
         # A state written whole (rows included, before per-row records): its rows go
         # out as row records at the next checkpoint.
         found = state["rows"] = {t: dict(r) for t, r in (state.get("rows") or {}).items()}
-        state.changed.update((t, chunk_of(e[_T])) for t, r in found.items() for e in r.values())
-    elif entries:  # rows without their entity record: a cut-short checkpoint
-        top = max(int(entry[0]) for _, _, entry in entries)
-        state = EntityState(rows={}, lsn=top, rev=0, ts=0, gone=None)
+        if found:
+            state.changed.update((t, chunk_of(e[_T])) for t, r in found.items() for e in r.values())
+            for name, entries in tables.items():
+                found.setdefault(name, {}).update(entries)
+        else:
+            state["rows"] = tables
+    elif any(tables.values()):  # rows without their entity record: a cut-short checkpoint
+        top = max(int(entry[0]) for entries in tables.values() for entry in entries.values())
+        state = EntityState(rows=tables, lsn=top, rev=0, ts=0, gone=None)
     else:
         return None
-    for name, pk, entry in entries:
-        state["rows"].setdefault(name, {})[pk] = entry
     return state

@@ -152,15 +152,20 @@ class _Group:
     __slots__ = ("count", "counters", "present", "spec", "stamps", "sums", "values")
 
     def __init__(self, spec: GroupSpec) -> None:
+        # Built for every window of a state read back from the local store: the
+        # containers a group's aggregates do not need are not made (most groups
+        # only count).
         self.spec = spec
         self.count = 0
-        self.sums = dict.fromkeys(spec.sums, 0)
-        self.present = dict.fromkeys(spec.sums, 0)
-        self.values: dict[str, list[float]] = {c: [] for c in spec.sorted}
-        self.counters: dict[str, Counter[Any]] = {c: Counter() for c in spec.distinct}
-        self.stamps: dict[str, dict[Any, list[tuple[int, int, int, tuple[int, str]]]]] = {
-            c: {} for c in spec.stamped
-        }
+        self.sums = dict.fromkeys(spec.sums, 0) if spec.sums else {}
+        self.present = dict.fromkeys(spec.sums, 0) if spec.sums else {}
+        self.values: dict[str, list[float]] = {c: [] for c in spec.sorted} if spec.sorted else {}
+        self.counters: dict[str, Counter[Any]] = (
+            {c: Counter() for c in spec.distinct} if spec.distinct else {}
+        )
+        self.stamps: dict[str, dict[Any, list[tuple[int, int, int, tuple[int, str]]]]] = (
+            {c: {} for c in spec.stamped} if spec.stamped else {}
+        )
 
     def update(self, entry: list[Any], sign: int, pk: str) -> None:
         """Add (sign 1) or retract (sign -1) one live row."""
@@ -222,17 +227,22 @@ class TableIndex:
     Args:
         windows: The table's windows and what each must accumulate.
         rows: The table's rows in the state (pk -> entry); indexed as they are.
+        at: The read time the windows stand at once built, as after :meth:`view`
+            (None: the newest event).
     """
 
     __slots__ = ("at", "order", "ref", "windows")
 
-    def __init__(self, windows: Sequence[WindowSpec], rows: Mapping[str, list[Any]]) -> None:
+    def __init__(
+        self, windows: Sequence[WindowSpec], rows: Mapping[str, list[Any]], at: int | None = None
+    ) -> None:
         self.windows = {spec.key: _Window(spec) for spec in windows}
         self.ref: int | None = max((e[_T] for e in rows.values()), default=None)
         # The read time the windows stand at (:meth:`view`); None: the newest event.
-        self.at: int | None = None
+        self.at: int | None = at
+        stand = self.ref if at is None else at
         for window in self.windows.values():
-            window.low, window.high = window.spec.interval(self.ref)
+            window.low, window.high = window.spec.interval(stand)
         # (event time, lsn, seq, key rank, key): time order, ties by position, then key.
         self.order: list[tuple[int, int, int, tuple[int, str], str]] = sorted(
             (e[_T], e[_LSN], e[_SEQ], pk_rank(pk), pk) for pk, e in rows.items() if not e[_DEL]

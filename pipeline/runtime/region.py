@@ -532,7 +532,11 @@ class RegionRuntime:
         return self._checkpoint_task is not None and not self._checkpoint_task.done()
 
     def _checkpoint_due(self, now: float) -> bool:
-        return self.ledger.due(now) and not self._checkpoint_pending()
+        if self._checkpoint_pending():
+            return False
+        # With a store: dirty states over their share of the memory budget are
+        # checkpointed at once (they cannot be evicted before), not at the interval.
+        return self.ledger.due(now) or (self.live.full and self.ledger.due_at() is not None)
 
     async def wait_for_duty(self) -> None:
         """Sleep until :meth:`tick` has something to do, or a message or a flush changed
@@ -869,19 +873,21 @@ class RegionRuntime:
         if self.store is not None:
             # On disk now: clean again unless changed since; a schedule the store's
             # index holds (ahead of what its reads have passed) leaves memory.
-            self.live.stored(generations)
+            # Looked at before the states are made evictable (a state evicted and
+            # read back here would cost a load per entity of the checkpoint).
             now_us = self._now_us()
-            for key, _ in generations:
+            for key, generation in generations:
                 until = self._renew_at.get(key)
-                state = self.live.get(key) if until is not None else None
+                state = self.live.peek(key) if until is not None else None
                 if (
                     until is not None
                     and until > now_us
                     and state is not None
-                    and self.live.generation(key) is None
+                    and self.live.generation(key) == generation
                     and state.get("until") == until
                 ):
                     del self._renew_at[key]  # its heap entry is skipped as stale
+            self.live.stored(generations)
 
     async def _until_store_writable(self) -> None:
         """Wait, consuming nothing, until a checkpoint reaches the local store again

@@ -2,7 +2,7 @@
 of the hot ones in front of the local store (pipeline.localstore).
 
 Sans I/O: the store is a port (:class:`StateLoader`), so that the rules run in
-unit tests (tests/unit/pipeline/test_state_cache.py):
+unit tests (tests/unit/pipeline/test_local_state.py):
 
 1. A state changed since it last reached the local store is *dirty* and never
    evicted: its newest version exists only here. It is clean again once a
@@ -12,7 +12,10 @@ unit tests (tests/unit/pipeline/test_state_cache.py):
 2. Clean states are evicted, least recently used first, once the estimated
    memory of the cache is above its budget; a miss reads the state from the
    store again (the entity record and its row chunks).
-3. Without a store (``loader`` None) nothing is evicted: the states are the
+3. Dirty states above :data:`DIRTY_SHARE` of the budget make the cache
+   :attr:`~StateCache.full`: the worker starts a checkpoint then, before its
+   interval, so that the estimate stays near the budget.
+4. Without a store (``loader`` None) nothing is evicted: the states are the
    whole truth, as before issue 36.
 """
 
@@ -20,18 +23,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
+from itertools import chain
 from typing import Protocol
 
 from pipeline.features import EntityState
 
-__all__ = ["ENTITY_BYTES", "ROW_BYTES", "StateCache", "StateLoader"]
+__all__ = ["DIRTY_SHARE", "ENTITY_BYTES", "ROW_BYTES", "StateCache", "StateLoader"]
 
 # What one working state costs in memory, measured by benchmarks/scale.py (issue
 # 36: 1.7 KB per stored row with its aggregate index, ~2 KB per entity besides):
 # the estimate the budget is counted in.
 ROW_BYTES = 1_700
 ENTITY_BYTES = 2_000
-EVICT_SCAN = 256  # states looked at by one eviction pass, at most
+# The share of the budget dirty states may take before a checkpoint is started
+# early (:attr:`StateCache.full`): they cannot be evicted until one stores them,
+# so without it they grew past the budget between checkpoints (377-509 MB
+# against 256 in benchmarks/scale.py).
+DIRTY_SHARE = 0.5
 
 
 class StateLoader(Protocol):
@@ -48,6 +56,10 @@ def _weight(state: EntityState) -> int:
 class StateCache(MutableMapping[str, EntityState]):
     """Entity key -> working state; iteration and ``len`` cover the states in memory.
 
+    Dirty and clean states are kept apart, each in the order of their last use, so
+    that an eviction pops clean states only: it never walks past dirty ones (a
+    cache full of them between checkpoints made every eviction pass a scan).
+
     Args:
         loader: Reads a state missing here from the local store (None: no store, no
             eviction).
@@ -57,11 +69,13 @@ class StateCache(MutableMapping[str, EntityState]):
     def __init__(self, loader: StateLoader | None = None, budget_bytes: int | None = None):
         self.loader = loader
         self.budget_bytes = budget_bytes if loader is not None else None
-        self._hot: OrderedDict[str, EntityState] = OrderedDict()
+        self._clean: OrderedDict[str, EntityState] = OrderedDict()  # least recent first
+        self._changed: OrderedDict[str, EntityState] = OrderedDict()  # the dirty states
         self._weights: dict[str, int] = {}
         self._dirty: dict[str, int] = {}  # key -> generation of its newest change
         self._generation = 0
         self.weight = 0  # the estimated bytes of the states in memory
+        self.dirty_weight = 0  # the part of it in dirty states
         self.loads = 0  # misses read from the store
         self.evictions = 0
 
@@ -74,10 +88,10 @@ class StateCache(MutableMapping[str, EntityState]):
         return state
 
     def get(self, key: str, default: EntityState | None = None) -> EntityState | None:  # type: ignore[override]
-        state = self._hot.get(key)
+        state = self.peek(key)
         if state is not None:
             if self.budget_bytes is not None:
-                self._hot.move_to_end(key)
+                (self._changed if key in self._dirty else self._clean).move_to_end(key)
             return state
         if self.loader is None:
             return default
@@ -85,48 +99,62 @@ class StateCache(MutableMapping[str, EntityState]):
         if state is None:
             return default
         self.loads += 1
-        self._put(key, state)
-        self._evict()
+        self._clean[key] = state
+        weight = self._weights[key] = _weight(state)
+        self.weight += weight
+        self._evict(spare=1)  # not the state just read: its caller may change it in place
         return state
+
+    def peek(self, key: str) -> EntityState | None:
+        """``key``'s state if it is in memory (never read from the store; its place
+        in the order of use unchanged)."""
+        state = self._changed.get(key)
+        return state if state is not None else self._clean.get(key)
 
     def __setitem__(self, key: str, state: EntityState) -> None:
         """A changed state: dirty until a checkpoint stores it."""
-        self._put(key, state)
+        self._clean.pop(key, None)
+        self._changed[key] = state
+        if self.budget_bytes is not None:
+            self._changed.move_to_end(key)
+        self._reweigh(key, state, key in self._dirty)
         self._generation += 1
         self._dirty[key] = self._generation
         self._evict()
 
     def __delitem__(self, key: str) -> None:
-        del self._hot[key]
-        self.weight -= self._weights.pop(key, 0)
-        self._dirty.pop(key, None)
+        if key in self._changed:
+            del self._changed[key]
+        else:
+            del self._clean[key]
+        weight = self._weights.pop(key, 0)
+        self.weight -= weight
+        if self._dirty.pop(key, None) is not None:
+            self.dirty_weight -= weight
 
     def __contains__(self, key: object) -> bool:
-        return key in self._hot
+        return key in self._changed or key in self._clean
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._hot)
+        return chain(list(self._changed), list(self._clean))
 
     def __len__(self) -> int:
-        return len(self._hot)
+        return len(self._changed) + len(self._clean)
 
     def clear(self) -> None:
-        self._hot.clear()
+        self._clean.clear()
+        self._changed.clear()
         self._weights.clear()
         self._dirty.clear()
-        self.weight = 0
+        self.weight = self.dirty_weight = 0
 
     # -- dirty and clean ---------------------------------------------------------------------
 
     def changed(self, key: str) -> None:
         """``key``'s state changed in place (its bookkeeping, say): dirty again."""
-        if key in self._hot:
-            self._generation += 1
-            self._dirty[key] = self._generation
-            state = self._hot[key]
-            old = self._weights.get(key, 0)
-            new = self._weights[key] = _weight(state)
-            self.weight += new - old
+        state = self.peek(key)
+        if state is not None:
+            self[key] = state
 
     def generation(self, key: str) -> int | None:
         """The generation of ``key``'s newest change (None: clean)."""
@@ -134,39 +162,47 @@ class StateCache(MutableMapping[str, EntityState]):
 
     def stored(self, written: list[tuple[str, int | None]]) -> None:
         """A checkpoint wrote these states to the local store, each as of the
-        generation given: those unchanged since are clean (evictable) again."""
+        generation given: those unchanged since are clean (evictable) again, in the
+        order of their last use."""
+        cleaned = set()
         for key, generation in written:
             if generation is not None and self._dirty.get(key) == generation:
                 del self._dirty[key]
+                self.dirty_weight -= self._weights.get(key, 0)
+                cleaned.add(key)
+        if not cleaned:
+            return
+        for key in [k for k in self._changed if k in cleaned]:
+            self._clean[key] = self._changed.pop(key)
         self._evict()
 
     @property
     def dirty(self) -> int:
         return len(self._dirty)
 
+    @property
+    def full(self) -> bool:
+        """Dirty states hold more than :data:`DIRTY_SHARE` of the budget: a checkpoint
+        should store them now, so that they become evictable."""
+        budget = self.budget_bytes
+        return budget is not None and self.dirty_weight > DIRTY_SHARE * budget
+
     # -- internals ---------------------------------------------------------------------------
 
-    def _put(self, key: str, state: EntityState) -> None:
+    def _reweigh(self, key: str, state: EntityState, was_dirty: bool) -> None:
         old = self._weights.get(key, 0)
-        self._hot[key] = state
-        if self.budget_bytes is not None:
-            self._hot.move_to_end(key)
         new = self._weights[key] = _weight(state)
         self.weight += new - old
+        self.dirty_weight += new - (old if was_dirty else 0)
 
-    def _evict(self) -> None:
-        if self.budget_bytes is None or self.weight <= self.budget_bytes:
+    def _evict(self, spare: int = 0) -> None:
+        """Drop clean states, least recently used first, down to the budget (the
+        ``spare`` most recent stay)."""
+        budget = self.budget_bytes
+        if budget is None:
             return
-        # Least recently used first; a dirty state met on the way goes to the back
-        # (it is in use). A pass looks at a bounded number of states, so that a
-        # cache full of dirty ones (a checkpoint behind) costs no quadratic time:
-        # it stays above its budget until the checkpoint makes them clean.
-        for _ in range(min(len(self._hot), EVICT_SCAN)):
-            if self.weight <= self.budget_bytes:
-                return
-            key, state = self._hot.popitem(last=False)
-            if key in self._dirty:
-                self._hot[key] = state
-                continue
+        clean = self._clean
+        while self.weight > budget and len(clean) > spare:
+            key, _state = clean.popitem(last=False)
             self.weight -= self._weights.pop(key, 0)
             self.evictions += 1

@@ -258,6 +258,30 @@ def test_incremental_vector_equals_full_recomputation_after_every_change(seed: i
     assert ENGINE.vector(recovered) == ENGINE.vector(state)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_state_read_back_without_its_index_schedules_the_same_values(seed: int) -> None:
+    """With the states on disk, a state read back has no index: changes apply to its
+    rows alone, and the index is built at the read time of the next write. Its
+    schedules must be those of a state whose index was kept and moved along."""
+    rng = random.Random(seed)
+    kept: dict[str, Any] | None = None
+    read_back: dict[str, Any] | None = None
+    for step, message in enumerate(stream(seed + 100, 300)):
+        kept, _ = ENGINE.apply(kept, dict(message))
+        read_back, _ = ENGINE.apply(read_back, dict(message))
+        assert isinstance(kept, EntityState) and isinstance(read_back, EntityState)
+        if step % 41 == 0:
+            ENGINE.prune(kept)
+            ENGINE.prune(read_back)
+        if rng.random() < 0.4:
+            now = message["ts"] + rng.choice((-5_000, 0, 800, 30_000))
+            if rng.random() < 0.5:
+                read_back.index = None  # evicted and read again
+            got = ENGINE.schedule(read_back, now)
+            assert got == ENGINE.schedule(kept, now), f"seed {seed}, step {step}"
+            assert got[0] == oracle(ENGINE, kept, at=now), f"seed {seed}, step {step}"
+
+
 def test_order_of_delivery_does_not_change_the_vector() -> None:
     messages = stream(99, 300)
     forward: dict[str, Any] | None = None

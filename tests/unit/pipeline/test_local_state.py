@@ -81,6 +81,31 @@ def test_records_and_the_offset_they_reach_are_written_together(tmp_path: Path) 
     again.close()
 
 
+def test_an_entity_reads_only_its_own_records_whatever_its_neighbours_ids(
+    tmp_path: Path,
+) -> None:
+    """A load is one range read from the entity's key up to ``key\\x20``: the ids that
+    sort inside it (``user:7\\n``, from hostile input) are other entities."""
+    states = open_states(tmp_path)
+    store = states.partition(0)
+    mine, theirs = [10, 0, T0, None, {"kind": "view"}], [11, 0, T0, None, {"kind": "click"}]
+    store.apply(
+        [
+            (b"user:7", rec({"lsn": 10, "rev": 1, "ts": 0, "gone": None})),
+            (b"user:7\x1fpublic.events\x1f1", rec({"1": mine})),
+            (b"user:7\n", rec({"lsn": 11, "rev": 1, "ts": 0, "gone": None})),
+            (b"user:7\n\x1fpublic.events\x1f1", rec({"2": theirs})),
+            (b"user:70", rec({"lsn": 12, "rev": 1, "ts": 0, "gone": None})),
+        ],
+        offset=1,
+    )
+    loaded, other = store.load("user:7"), store.load("user:7\n")
+    assert loaded is not None and loaded["lsn"] == 10
+    assert loaded["rows"] == {"public.events": {"1": mine}}
+    assert other is not None and other["rows"] == {"public.events": {"2": theirs}}
+    states.close()
+
+
 def test_a_chunk_without_its_entity_record_still_loads(tmp_path: Path) -> None:
     """A cut-short checkpoint: rows without the entity record (as rebuild_states)."""
     states = open_states(tmp_path)
@@ -239,6 +264,35 @@ def test_the_weight_counts_rows() -> None:
     assert cache.weight == 0
 
 
+def test_an_eviction_passes_over_dirty_states_however_many() -> None:
+    """Dirty states are kept apart from the clean ones: a cache far over its budget
+    with dirty states drops the least recent clean ones, and only those."""
+    loader = DictLoader()
+    cache = StateCache(loader, budget_bytes=2 * ENTITY_BYTES)
+    for i in range(3):
+        loader.stored[f"c:{i}"] = entity()
+        cache.get(f"c:{i}")  # clean, read from the store
+    for i in range(1000):
+        cache[f"d:{i}"] = entity()
+    assert cache.dirty == 1000 and cache.evictions == 3
+    assert "c:0" not in cache and all(f"d:{i}" in cache for i in range(1000))
+    assert cache.peek("c:1") is None and loader.loads == ["c:0", "c:1", "c:2"]  # no read
+
+
+def test_dirty_states_over_their_share_of_the_budget_make_the_cache_full() -> None:
+    cache = StateCache(DictLoader(), budget_bytes=10 * ENTITY_BYTES)
+    for i in range(5):
+        cache[f"e:{i}"] = entity()
+    assert cache.dirty_weight == 5 * ENTITY_BYTES and not cache.full
+    cache["e:5"] = entity()
+    assert cache.full
+    cache.stored([(f"e:{i}", cache.generation(f"e:{i}")) for i in range(6)])
+    assert cache.dirty_weight == 0 and not cache.full and cache.weight == 6 * ENTITY_BYTES
+    cache["e:0"] = entity(2)  # dirty again, and heavier
+    assert cache.dirty_weight == ENTITY_BYTES + 2 * ROW_BYTES
+    assert not StateCache(None, budget_bytes=0).full  # without a store: never
+
+
 def test_without_a_store_nothing_is_evicted() -> None:
     cache = StateCache(None, budget_bytes=0)
     cache["e:1"] = entity()
@@ -345,6 +399,28 @@ async def test_states_read_back_from_disk_give_the_same_vectors(tmp_path: Path) 
     assert cache_small.vectors == cache_whole.vectors
     local.close()
     memory_local.close()
+
+
+async def test_dirty_states_over_the_budget_are_checkpointed_before_the_interval(
+    tmp_path: Path,
+) -> None:
+    """A worker's memory stays near its budget between checkpoints: once changed
+    states take their share of it, a checkpoint stores them (evictable then)."""
+    local = engine_for(tmp_path)
+    budget = 40 * (ENTITY_BYTES + ROW_BYTES)
+    runtime, journal, _cache, _c, clock = store_runtime(local, memory_bytes=budget)
+    for start in range(0, 200, 20):  # 200 users, well within one interval
+        views = [view(start + i, start + i, 10 + start + i) for i in range(20)]
+        await runtime.on_message(Delivery(0, start), pack(*views))
+        clock.now += 0.05
+        await runtime.tick()
+        if runtime._checkpoint_task is not None:
+            await asyncio.wait_for(runtime._checkpoint_task, 5)
+        assert runtime.live.dirty_weight <= budget
+    assert clock.now - 1000.0 < runtime.ledger.interval_s  # no interval has passed
+    assert ("close", [0]) in journal.events and acked(journal)  # checkpointed, acked
+    assert runtime.live.weight <= 2 * budget
+    local.close()
 
 
 async def test_a_restarted_worker_reads_nothing_and_renews_from_the_index(tmp_path: Path) -> None:
