@@ -66,6 +66,9 @@ _NAME = re.compile(r"^featurelog-.*-p(?P<pid>\d+)-c\d+-\d+$")
 
 PersonalRule = Literal["keep", "drop"]
 
+#: Niceness of the writer thread (Linux): below the event loop's, so serving comes first.
+WRITER_NICE = 10
+
 
 class FeatureLogSettings(BaseModel):
     """``workers.feature_log`` in edgefeed.yaml: what model workers log and where.
@@ -381,6 +384,10 @@ class FeatureLogger:
     # -- the writer thread -------------------------------------------------------
 
     def _run(self) -> None:
+        # Linux gives each thread its own nice value: the writer yields the CPU to the
+        # event loop whenever both want it (its batches wait in the queue meanwhile).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
             recover_leftovers(self.folder)
         except Exception:  # a leftover must never stop logging
