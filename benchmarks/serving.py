@@ -417,6 +417,9 @@ def main() -> None:
         # CPU per request counts warm-up requests too (each round sends `concurrency`).
         sent = len(merged.latencies) + args.rounds * args.concurrency
         runs[name]["worker_cpu_us_per_request"] = round(cpu[name] / sent * 1e6, 1)
+        runs[name]["t_service_p50_by_round_ms"] = [
+            part.summary()["latency_ms"]["service"]["p50"] for part in parts[name]
+        ]
         lat = runs[name]["latency_ms"]
         print(
             f"  {name:6s} {merged.throughput:7.1f} req/s  T_service p50 "
@@ -446,12 +449,23 @@ def main() -> None:
         report["ratios_logged_over_after"] = {
             q: round(logged[q] / plain[q], 3) if plain[q] else None for q in ("p50", "p95", "p99")
         }
+        # Round by round (each logged round right after an unlogged one): the spread
+        # says how much of the ratio is the machine's noise.
+        report["t_service_p50_ratio_by_round"] = [
+            round(x / y, 3) if y else None
+            for x, y in zip(
+                runs["logged"]["t_service_p50_by_round_ms"],
+                runs["after"]["t_service_p50_by_round_ms"],
+                strict=True,
+            )
+        ]
         sent = args.rounds * (args.requests + args.concurrency)
         print(
             f"  T_service logged/after: {report['ratios_logged_over_after']} "
             f"(budget: p50 <= 1.10); {report['feature_log_rows']} rows logged "
             f"of {sent} requests x 20 items"
         )
+        print(f"  T_service p50 logged/after by round: {report['t_service_p50_ratio_by_round']}")
     offered = f"paced to {args.rate:g} req/s" if args.rate else "closed loop, unpaced"
     print(
         f"  target (T_service p50 < 1 ms, p99 < 5 ms; {offered}): "
