@@ -17,9 +17,60 @@ from rich.table import Table
 
 from edgefeed.settings import MonitoringSettings
 
-__all__ = ["AlertState", "alert_state", "print_alert_state"]
+__all__ = ["AlertState", "TargetDown", "alert_state", "explain_scrape_error", "print_alert_state"]
 
 LOOPBACK = "127.0.0.1"
+
+
+# Where the token of a job comes from: DevStack.scrape(job, ..., token=) writes it to
+# <state>/services/prometheus/tokens/<job>; the process checks it against its own.
+_TOKEN_SETTINGS = {
+    "edgefeed-exporter": "`edgefeed exporter --token-file` / `--token-env`",
+    "edgefeed-pipeline": "`pipeline run --metrics-token-file`",
+    "edgefeed-workers": "`edgefeed workers serve --auth-token-file`",
+}
+
+
+def explain_scrape_error(job: str, instance: str, error: str) -> str:
+    """What a target's ``lastError`` means for a person, naming the target and, for
+    a refused token, the setting on each side."""
+    lowered = error.lower()
+    if "401" in error or "unauthorized" in lowered:
+        wants = _TOKEN_SETTINGS.get(job, "the token the process requires")
+        return (
+            f"{job} target {instance} refuses the bearer token Prometheus sends (HTTP 401): "
+            f"the token given for job {job} (DevStack.scrape(..., token=), written to "
+            f"<state>/services/prometheus/tokens/{job}) is not {wants}; give both the same "
+            "token"
+        )
+    if "connection refused" in lowered:
+        return (
+            f"{job} target {instance} is unreachable: nothing listens there ({error}); "
+            "the process is stopped or moved to another port"
+        )
+    if "deadline exceeded" in lowered or "timeout" in lowered:
+        return f"{job} target {instance} does not answer in time ({error})"
+    return f"{job} target {instance} cannot be scraped: {error or 'no error reported yet'}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class TargetDown:
+    """A target whose last scrape failed.
+
+    Attributes:
+        job: Its scrape job.
+        process: The process it is (its ``process`` label) or its instance.
+        instance: host:port scraped.
+        error: Prometheus' ``lastError``.
+    """
+
+    job: str
+    process: str
+    instance: str
+    error: str
+
+    def explain(self) -> str:
+        return explain_scrape_error(self.job, self.instance, self.error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +81,13 @@ class AlertState:
         targets: (job, process, health, last error) per scraped target.
         alerts: (alert name, state, labels) per alert Prometheus holds pending or firing.
         delivered: Alert names Alertmanager holds (active), None without one.
+        down: The targets whose last scrape failed, with their instance.
     """
 
     targets: list[tuple[str, str, str, str]]
     alerts: list[tuple[str, str, dict[str, str]]]
     delivered: list[str] | None
+    down: tuple[TargetDown, ...] = ()
 
     @property
     def scraped(self) -> bool:
@@ -59,6 +112,7 @@ def alert_state(monitoring: MonitoringSettings) -> AlertState:
         requests.RequestException: one of them does not answer.
     """
     prometheus = f"http://{LOOPBACK}:{monitoring.prometheus_port}"
+    active = _get(f"{prometheus}/api/v1/targets")["data"]["activeTargets"]
     targets = [
         (
             str(t["labels"].get("job", "")),
@@ -66,8 +120,20 @@ def alert_state(monitoring: MonitoringSettings) -> AlertState:
             str(t.get("health", "unknown")),
             str(t.get("lastError", "")),
         )
-        for t in _get(f"{prometheus}/api/v1/targets")["data"]["activeTargets"]
+        for t in active
     ]
+    down = tuple(
+        sorted(
+            TargetDown(
+                str(t["labels"].get("job", "")),
+                str(t["labels"].get("process", t["labels"].get("instance", ""))),
+                str(t["labels"].get("instance", "")),
+                str(t.get("lastError", "")),
+            )
+            for t in active
+            if t.get("health") == "down"
+        )
+    )
     alerts = [
         (str(a["labels"].get("alertname", "")), str(a.get("state", "")), dict(a["labels"]))
         for a in _get(f"{prometheus}/api/v1/alerts")["data"]["alerts"]
@@ -76,7 +142,7 @@ def alert_state(monitoring: MonitoringSettings) -> AlertState:
     if monitoring.alertmanager_port is not None:
         answer = _get(f"http://{LOOPBACK}:{monitoring.alertmanager_port}/api/v2/alerts")
         delivered = sorted(str(a["labels"].get("alertname", "")) for a in answer)
-    return AlertState(sorted(targets), sorted(alerts, key=lambda a: a[:2]), delivered)
+    return AlertState(sorted(targets), sorted(alerts, key=lambda a: a[:2]), delivered, down)
 
 
 def print_alert_state(console: Console, monitoring: MonitoringSettings) -> AlertState | None:
@@ -99,6 +165,8 @@ def print_alert_state(console: Console, monitoring: MonitoringSettings) -> Alert
         style = "green" if health == "up" else "red"
         targets.add_row(job, process, f"[{style}]{health}[/{style}]", error[:80])
     console.print(targets)
+    for target in state.down:
+        console.print(f"  [red]down: {target.explain()}[/red]")
     if not state.alerts:
         console.print("  alerts: nothing pending or firing (a healthy run)")
     else:

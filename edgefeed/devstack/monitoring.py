@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +24,17 @@ import requests
 import yaml
 
 from edgefeed.devstack import binaries
-from edgefeed.devstack.exceptions import MissingBinaryError
+from edgefeed.devstack.exceptions import DevStackError, MissingBinaryError
 from edgefeed.devstack.services import LOOPBACK, Service
 
-__all__ = ["SCRAPE_JOBS", "AlertmanagerService", "PrometheusService", "alerts_file"]
+__all__ = [
+    "SCRAPE_JOBS",
+    "AlertRulesError",
+    "AlertmanagerService",
+    "PrometheusService",
+    "alerts_file",
+    "check_rules",
+]
 
 # What the local Prometheus scrapes: the exporter, the pipeline's workers (router
 # and regions, `pipeline run --metrics-port`) and the model workers.
@@ -42,6 +51,55 @@ def alerts_file() -> Path:
             "or leave monitoring.prometheus_port unset"
         )
     return path
+
+
+class AlertRulesError(DevStackError, ValueError):
+    """An alert rule file does not pass ``promtool check rules`` (YAML that does not
+    parse, a PromQL expression Prometheus rejects). Not retryable: the message names
+    the file and quotes promtool; fix the file and run ``edgefeed dev up`` again."""
+
+
+def _promtool() -> str:
+    # Debian's prometheus package ships promtool beside prometheus.
+    beside = Path(binaries.prometheus_binary()).with_name("promtool")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("promtool")
+    if found is None:
+        raise MissingBinaryError(
+            "promtool not found beside prometheus or on PATH; install Debian's `prometheus` "
+            "package (`make install`)"
+        )
+    return found
+
+
+def check_rules(path: Path) -> None:
+    """Run ``promtool check rules`` on ``path``.
+
+    Prometheus itself refuses a bad rule file only in its log; checked first, the
+    error names the file and says what is wrong with it.
+
+    Raises:
+        AlertRulesError: promtool rejects the file.
+        MissingBinaryError: promtool is not installed.
+    """
+    done = subprocess.run(
+        [_promtool(), "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if done.returncode != 0:
+        said = "\n".join(
+            line.strip()
+            for line in (done.stdout + done.stderr).splitlines()
+            if line.strip() and not line.startswith("Checking ")
+        )
+        raise AlertRulesError(
+            f"the alert rule file {path} does not pass `promtool check rules`:\n{said}\n"
+            f"fix the file (check it with `promtool check rules {path}`) and start again"
+        )
 
 
 def _ready(port: int, what: str) -> str | None:
@@ -68,10 +126,12 @@ class PrometheusService(Service):
     Attributes:
         alertmanager_port: Where it sends alerts (None: nowhere).
         scrape_interval_s: Scrape and rule evaluation interval.
+        rule_file: The alert rules (None: the checkout's deploy/prometheus/alerts.yml).
     """
 
     alertmanager_port: int | None = None
     scrape_interval_s: float = 5.0
+    rule_file: Path | None = None
     kind: str = field(default="prometheus", init=False)
 
     @property
@@ -83,6 +143,9 @@ class PrometheusService(Service):
 
     def token_file(self, job: str) -> Path:
         return self.home / "tokens" / job
+
+    def rules(self) -> Path:
+        return self.rule_file if self.rule_file is not None else alerts_file()
 
     def config(self) -> dict[str, object]:
         interval = f"{self.scrape_interval_s:g}s"
@@ -101,7 +164,7 @@ class PrometheusService(Service):
         )
         config: dict[str, object] = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
-            "rule_files": [str(alerts_file())],
+            "rule_files": [str(self.rules())],
             "scrape_configs": scrapes,
         }
         if self.alertmanager_port is not None:
@@ -111,6 +174,8 @@ class PrometheusService(Service):
         return config
 
     def prepare(self) -> None:
+        # Before anything starts: a bad file would only show in Prometheus' log.
+        check_rules(self.rules())
         self.home.mkdir(parents=True, exist_ok=True)
         for job in SCRAPE_JOBS:
             self.targets_dir(job).mkdir(parents=True, exist_ok=True)
