@@ -32,6 +32,7 @@ from workers.featurelog import (
     FeatureLogSettings,
     LoggedEntity,
     LogLayout,
+    recover_leftovers,
 )
 from workers.logfiles import join_labels, summarize
 from workers.models.base import Prepared
@@ -471,3 +472,18 @@ async def test_the_server_logs_what_the_ranker_was_fed_and_answers_the_request_i
         assert row["prediction"] == pytest.approx(answer["scores"][row["row"]], rel=1e-6)
         assert [row[f"demo_item.i{k}"] for k in range(16)] == vectors[row["item_id"]].tolist()
         assert [row[f"demo_user.u{k}"] for k in range(16)] == vectors["u1"].tolist()
+
+
+def test_a_stream_whose_recoverer_died_is_recovered_by_the_next(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now: no process of that id is alive
+    stream = tmp_path / f"featurelog-20260101T000000Z-p{gone.pid}-c0-00000{TEMP_SUFFIX}"
+    batch = pa.record_batch({"request_id": ["r1", "r2"]})
+    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    claimed = stream.with_name(f"{stream.name}.recovering-{gone.pid}")
+    stream.rename(claimed)
+    [written] = recover_leftovers(tmp_path)
+    assert written.name == stream.name.replace(TEMP_SUFFIX, ".parquet")
+    assert pq.read_table(written)["request_id"].to_pylist() == ["r1", "r2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [written.name]
