@@ -262,7 +262,7 @@ def serve(
         coalesce_turns=settings.coalesce_turns if settings.coalesce_lookups else None,
     )
     rows = served.default_max_batch_size
-    feature_log = _feature_log(settings_path_of(ctx))
+    feature_log = _feature_log(settings_path_of(ctx), served)
     server = run_reported(
         lambda: InferenceServer(
             [served],
@@ -312,11 +312,14 @@ def serve(
     run_reported(lambda: run_on_loop(run_server(server, announce), settings.event_loop))
 
 
-def _feature_log(path: Path | None) -> Any:
-    """``workers.feature_log`` of the settings file (None: no file, or no log)."""
+def _feature_log(path: Path | None, served: ServedModel) -> Any:
+    """``workers.feature_log`` of the settings file for ``served`` (None: a model that
+    reads no features, no file, or no log)."""
     from edgefeed.settings import resolve_settings_path
 
-    if not resolve_settings_path(path).exists():  # a worker needs no file unless it reads one
+    if served.log_layout() is None:  # nothing to log: the file is not needed
+        return None
+    if not resolve_settings_path(path).exists():
         return None
     return settings_at(path).workers.feature_log
 
@@ -367,7 +370,7 @@ def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
             config=config,
             registry=registry,
             cluster=Cluster(slot),
-            feature_log=_feature_log(spec.settings_path),
+            feature_log=_feature_log(spec.settings_path, served),
         )
         run_on_loop(run_server(server), settings.event_loop)
     except typer.Exit as exc:  # run_reported printed the error
