@@ -130,8 +130,16 @@ async def test_paused_worker_lag_grows_stalls_and_clears_after_resume(
         for i in range(3):
             await producer.send_and_wait(topic, f"later{i}".encode())
         for i in range(2):
-            await producer.send_and_wait(dead_letters, f"poison{i}".encode())
+            await producer.send_and_wait(
+                dead_letters, f"poison{i}".encode(), headers=[("edgefeed-reason", b"bad-json")]
+            )
         poisoned = await until(monitor, lambda r: r.kafka.deadletters == 2, "2 dead letters")
+        # Their reasons, read from the records' headers (kafka-python's consumer).
+        await until(
+            monitor,
+            lambda r: r.kafka.deadletters_by_reason == ((dead_letters, "bad-json", 2),),
+            "2 dead letters counted by reason",
+        )
         # Counted, and new ones within the window are a warning of their own.
         assert poisoned.kafka.deadletters_new == 2
         assert any("2 new dead letter(s)" in problem for problem in poisoned.problems)
