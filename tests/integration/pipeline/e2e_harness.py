@@ -317,12 +317,17 @@ def freshness_line(name: str, seconds: list[float]) -> str:
     )
 
 
-def snapshot_span_s(bootstrap: Any, topic: str) -> tuple[float, float]:
+def snapshot_span_s(bootstrap: Any, topic: str, since: float | None = None) -> tuple[float, float]:
     """Wall times (s) of the newest incremental snapshot's STARTED and COMPLETED
-    notifications, as Debezium stamped them."""
+    notifications, as Debezium stamped them. With ``since`` (a wall time, s): from
+    the first snapshot STARTED at or after it to the newest COMPLETED, so that a
+    rebuild made of several snapshots (one per table) is one span."""
     notes = asyncio.run(read_notifications(bootstrap, [topic], timeout_s=30))[topic]
     ours = [n for n in notes if n.get("aggregate_type") == "Incremental Snapshot"]
     started = [n for n in ours if n.get("type") == "STARTED"]
     completed = [n for n in ours if n.get("type") == "COMPLETED"]
     assert started and completed, notes
-    return int(started[-1]["timestamp"]) / 1000, int(completed[-1]["timestamp"]) / 1000
+    first = started[-1]
+    if since is not None:
+        first = next(n for n in started if int(n["timestamp"]) / 1000 >= since - 1)
+    return int(first["timestamp"]) / 1000, int(completed[-1]["timestamp"]) / 1000
