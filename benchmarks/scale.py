@@ -47,12 +47,15 @@ renew what is due at once, and to rebuild a lost disk.
     .venv/bin/python benchmarks/scale.py --mode disk --memory-mb 512
     .venv/bin/python benchmarks/scale.py --smoke               # 500 users (the test suite)
     .venv/bin/python benchmarks/scale.py --plot docs/img/scale.png
+    .venv/bin/python benchmarks/scale.py --users 10000 --mode disk --memory-mb 64 \\
+        --profile /tmp/scale.prof                              # where the time goes
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import functools
 import gc
 import hashlib
@@ -559,13 +562,21 @@ def open_states(root: Path, engine: FeatureEngine) -> LocalStates:
 
 
 async def load_disk(
-    users: int, events: int, seed: int, now_s: float, checkpoint_s: float, memory_mb: float
+    users: int,
+    events: int,
+    seed: int,
+    now_s: float,
+    checkpoint_s: float,
+    memory_mb: float,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     """Apply the load with the states on disk, restart on the folder, rebuild a lost
     one from the changelog; the figures."""
     folder = Path(tempfile.mkdtemp(prefix="scale-disk-"))
     try:
-        return await _load_disk(folder, users, events, seed, now_s, checkpoint_s, memory_mb)
+        return await _load_disk(
+            folder, users, events, seed, now_s, checkpoint_s, memory_mb, profile
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -578,6 +589,7 @@ async def _load_disk(
     now_s: float,
     checkpoint_s: float,
     memory_mb: float,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     clock = Clock()
     engine = FeatureEngine(settings().entities)
@@ -590,7 +602,13 @@ async def _load_disk(
     runtime.resumed(list(range(PARTITIONS)))  # a first start: an empty folder
     gc.collect()
     base = rss_mb()  # the interpreter, the libraries, an empty worker (no database open)
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:  # --profile: the apply path alone
+        profiler.enable()
     applied_s, peak_cache_mb = await apply_load(runtime, clock, users, events, seed, now_s)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(str(profile))
     changelog.finish()
     dead = runtime.dead_letters.sent  # type: ignore[attr-defined]
     gc.collect()
@@ -739,11 +757,14 @@ def child(
     checkpoint_s: float,
     memory_mb: float,
     out: Any,
+    profile: str | None = None,
 ) -> None:
     if mode == "memory":
         result = asyncio.run(load_memory(users, events, seed, now_s, checkpoint_s))
     else:
-        result = asyncio.run(load_disk(users, events, seed, now_s, checkpoint_s, memory_mb))
+        result = asyncio.run(
+            load_disk(users, events, seed, now_s, checkpoint_s, memory_mb, profile)
+        )
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out.send(result)
 
@@ -756,12 +777,14 @@ def run_size(
     now_s: float,
     checkpoint_s: float,
     memory_mb: float,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     """One size and mode in a fresh process (spawned: its memory is the measurement)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(
-        target=child, args=(mode, users, events, seed, now_s, checkpoint_s, memory_mb, send)
+        target=child,
+        args=(mode, users, events, seed, now_s, checkpoint_s, memory_mb, send, profile),
     )
     process.start()
     send.close()
@@ -926,6 +949,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="500 users: checks it works")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
+    parser.add_argument(
+        "--profile",
+        help="disk mode: cProfile the apply path and write its stats here (one size)",
+    )
     args = parser.parse_args()
     sizes = [500] if args.smoke else (args.users or [10_000, 100_000])
     modes = MODES if args.mode == "both" else (args.mode,)
@@ -935,7 +962,7 @@ def main() -> None:
     checkpoint_s = 0.1 if args.smoke else 1.0
     now_s = time.time()  # one read time for every run: their vectors compare
     results = [
-        run_size(mode, users, args.events, args.seed, now_s, checkpoint_s, memory_mb)
+        run_size(mode, users, args.events, args.seed, now_s, checkpoint_s, memory_mb, args.profile)
         for users in sizes
         for mode in modes
     ]
