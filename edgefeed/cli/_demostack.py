@@ -30,7 +30,16 @@ def start_exporter(stack: DevStack, base: list[str], settings: EdgefeedSettings)
     run_reported(
         lambda: stack.start_app(
             "exporter",
-            [*base, "exporter", "--port", str(exporter_port)],
+            # Apps run in their own folder under the stack's: name the stack's
+            # folder, whose WAN emulator reports the sites' links.
+            [
+                *base,
+                "exporter",
+                "--port",
+                str(exporter_port),
+                "--state-dir",
+                str(stack.state_dir.resolve()),
+            ],
             ready="serving metrics on",
             timeout_s=60,
         )
