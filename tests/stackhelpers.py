@@ -5,13 +5,19 @@ reading topics. An importable module (``from stackhelpers import ...``), since
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from connectors.database import drop_slot
 from edgefeed.devstack.ports import free_ports
+
+if TYPE_CHECKING:
+    from connectors.client import ConnectClient
+    from edgefeed.settings import EdgefeedSettings
 
 __all__ = [
     "PG_PASSWORD",
@@ -19,6 +25,7 @@ __all__ = [
     "drop_slot",
     "free_ports",
     "read_topic",
+    "source_with_connector",
     "stack_settings_mapping",
     "unique_name",
 ]
@@ -60,6 +67,33 @@ _unique = itertools.count()
 
 def unique_name(prefix: str) -> str:
     return f"{prefix}_{os.getpid()}_{next(_unique)}_{uuid.uuid4().hex[:6]}"
+
+
+def source_with_connector(
+    cleanup: contextlib.ExitStack, settings: EdgefeedSettings, table: str
+) -> ConnectClient:
+    """Create ``public.<table>`` (id, score) and the settings' sources' Debezium
+    connectors, running; ``cleanup`` deletes the connector, then drops the first
+    source's slot, publication and the table, and closes the returned client."""
+    import psycopg
+
+    from connectors import deploy
+    from connectors.client import ConnectClient
+
+    source = settings.sources[0]
+    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE public.{table} (id bigint PRIMARY KEY, score int)")
+    client = cleanup.enter_context(ConnectClient(settings.connect.url, timeout_s=30))
+
+    @cleanup.callback
+    def _drop_source() -> None:
+        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+            drop_slot(conn, source.effective_slot_name, source.effective_publication)
+            conn.execute(f"DROP TABLE IF EXISTS public.{table}")
+
+    cleanup.callback(client.delete, source.connector_name)
+    deploy.apply(client, settings.database, settings.sources, wait_s=90)
+    return client
 
 
 async def read_topic(

@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import requests
 import yaml
-from stackhelpers import drop_slot, free_ports, unique_name
+from stackhelpers import free_ports, source_with_connector, unique_name
 
 from connectors import deploy
 from connectors.client import ConnectClient
@@ -135,21 +134,9 @@ def stack_with_alerts(
     settings_file = folder / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))
     settings = load_settings(settings_file)
-    source = settings.sources[0]
-    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE public.{table} (id bigint PRIMARY KEY, score int)")
     stack = DevStack(settings, folder, only=["prometheus", "alertmanager"])
     with contextlib.ExitStack() as cleanup:
-        client = cleanup.enter_context(ConnectClient(settings.connect.url, timeout_s=30))
-
-        @cleanup.callback
-        def _drop_source() -> None:
-            with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-                drop_slot(conn, source.effective_slot_name, source.effective_publication)
-                conn.execute(f"DROP TABLE IF EXISTS public.{table}")
-
-        cleanup.callback(client.delete, source.connector_name)
-        deploy.apply(client, settings.database, settings.sources, wait_s=90)
+        source_with_connector(cleanup, settings, table)
         cleanup.callback(stack.down)
         stack.up()
         yield stack, settings_file, f"http://127.0.0.1:{alertmanager_port}"

@@ -21,10 +21,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from stackhelpers import drop_slot, unique_name
+from stackhelpers import source_with_connector, unique_name
 
-from connectors import deploy
-from connectors.client import ConnectClient
 from edgefeed.cli.monitoring import build_config
 from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings, load_settings
@@ -143,22 +141,10 @@ def pipeline(
     settings_file = folder / "edgefeed.yaml"
     settings_file.write_text(yaml.safe_dump(mapping))
     settings = load_settings(settings_file)
-    source = settings.sources[0]
-    with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE public.{table} (id bigint PRIMARY KEY, score int)")
     # Teardown runs in reverse order and every step runs even if one fails:
     # the workers are stopped and reaped before the connector and table go.
     with contextlib.ExitStack() as cleanup:
-        client = cleanup.enter_context(ConnectClient(settings.connect.url, timeout_s=30))
-
-        @cleanup.callback
-        def _drop_source() -> None:
-            with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-                drop_slot(conn, source.effective_slot_name, source.effective_publication)
-                conn.execute(f"DROP TABLE IF EXISTS public.{table}")
-
-        cleanup.callback(client.delete, source.connector_name)
-        deploy.apply(client, settings.database, settings.sources, wait_s=90)
+        source_with_connector(cleanup, settings, table)
         router = _start(settings_file, folder / "router.log", "--role", "router")
         cleanup.callback(_stop, router)
         worker = _start(settings_file, folder / "eu-west.log", "--region", "eu-west")
