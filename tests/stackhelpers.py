@@ -8,8 +8,12 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from connectors.database import drop_slot
@@ -27,6 +31,8 @@ __all__ = [
     "read_topic",
     "source_with_connector",
     "stack_settings_mapping",
+    "start_pipeline",
+    "stop_process_group",
     "unique_name",
 ]
 
@@ -70,11 +76,12 @@ def unique_name(prefix: str) -> str:
 
 
 def source_with_connector(
-    cleanup: contextlib.ExitStack, settings: EdgefeedSettings, table: str
+    cleanup: contextlib.ExitStack, settings: EdgefeedSettings, table: str, *, score: str = "int"
 ) -> ConnectClient:
-    """Create ``public.<table>`` (id, score) and the settings' sources' Debezium
-    connectors, running; ``cleanup`` deletes the connector, then drops the first
-    source's slot, publication and the table, and closes the returned client."""
+    """Create ``public.<table>`` (id bigint, score of the SQL type ``score``) and the
+    settings' sources' Debezium connectors, running; ``cleanup`` deletes the
+    connector, then drops the first source's slot, publication and the table, and
+    closes the returned client."""
     import psycopg
 
     from connectors import deploy
@@ -82,7 +89,7 @@ def source_with_connector(
 
     source = settings.sources[0]
     with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE public.{table} (id bigint PRIMARY KEY, score int)")
+        conn.execute(f"CREATE TABLE public.{table} (id bigint PRIMARY KEY, score {score})")
     client = cleanup.enter_context(ConnectClient(settings.connect.url, timeout_s=30))
 
     @cleanup.callback
@@ -94,6 +101,35 @@ def source_with_connector(
     cleanup.callback(client.delete, source.connector_name)
     deploy.apply(client, settings.database, settings.sources, wait_s=90)
     return client
+
+
+def start_pipeline(settings_file: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``edgefeed pipeline run *args`` in a process group of its own, logging to ``log``
+    (its folder is the worker's: Faust's data folder goes there, not into the checkout)."""
+    exe = Path(sys.executable).with_name("edgefeed")
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [str(exe), "--settings", str(settings_file), "pipeline", "run", *args],
+            cwd=log.parent,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    """Stop the worker's whole process group and reap it, however slow the machine
+    (a no-op for one already gone)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGCONT)  # a paused worker cannot handle SIGTERM
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=60)
+    # Whatever is left of the group (Faust may fork helpers) goes too; SIGKILL
+    # cannot be ignored, so the wait below ends.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 async def read_topic(

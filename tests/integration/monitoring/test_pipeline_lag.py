@@ -21,7 +21,12 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from stackhelpers import source_with_connector, unique_name
+from stackhelpers import (
+    source_with_connector,
+    start_pipeline,
+    stop_process_group,
+    unique_name,
+)
 
 from edgefeed.cli.monitoring import build_config
 from edgefeed.devstack import DevStack
@@ -50,32 +55,6 @@ class Pipeline:
 
     def monitor(self) -> Monitor:
         return Monitor(build_config(self.settings, min_interval_s=0.2))
-
-
-def _start(settings_file: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    exe = Path(sys.executable).with_name("edgefeed")
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [str(exe), "--settings", str(settings_file), "pipeline", "run", *args],
-            cwd=log.parent,  # Faust's data folder goes here, not into the checkout
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """Stop the worker's whole process group and reap it, however slow the machine."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGCONT)  # a paused worker cannot handle SIGTERM
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=60)
-    # Whatever is left of the group (Faust may fork helpers) goes too; SIGKILL
-    # cannot be ignored, so the wait below ends.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 async def until(
@@ -145,10 +124,10 @@ def pipeline(
     # the workers are stopped and reaped before the connector and table go.
     with contextlib.ExitStack() as cleanup:
         source_with_connector(cleanup, settings, table)
-        router = _start(settings_file, folder / "router.log", "--role", "router")
-        cleanup.callback(_stop, router)
-        worker = _start(settings_file, folder / "eu-west.log", "--region", "eu-west")
-        cleanup.callback(_stop, worker)
+        router = start_pipeline(settings_file, folder / "router.log", "--role", "router")
+        cleanup.callback(stop_process_group, router)
+        worker = start_pipeline(settings_file, folder / "eu-west.log", "--region", "eu-west")
+        cleanup.callback(stop_process_group, worker)
         yield Pipeline(settings, settings_file, table, router, worker)
 
 
