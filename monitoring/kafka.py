@@ -22,7 +22,7 @@ from edgefeed_base.kafkaclients import KafkaClientError, KafkaClients, in_daemon
 from monitoring.deadletters import ReasonTally
 from monitoring.exceptions import SourceUnavailableError
 
-__all__ = ["GroupOffsets", "KafkaSnapshot", "read_kafka", "read_kafka_sync"]
+__all__ = ["GroupOffsets", "KafkaSnapshot", "partition_offsets", "read_kafka", "read_kafka_sync"]
 
 TopicPartitionKey = tuple[str, int]
 
@@ -156,8 +156,8 @@ def _read(
             for part in described["partitions"]:
                 tps.append(TopicPartition(described["name"], int(part["partition_index"])))
     at = time.time()
-    end_raw = consumer.end_offsets(tps) if tps else {}
-    oldest_raw = consumer.beginning_offsets(tps) if tps else {}
+    end_raw = partition_offsets(consumer.end_offsets, tps)
+    oldest_raw = partition_offsets(consumer.beginning_offsets, tps)
     end = {(tp.topic, tp.partition): int(v) for tp, v in end_raw.items()}
     oldest = {(tp.topic, tp.partition): int(v) for tp, v in oldest_raw.items()}
 
@@ -202,6 +202,32 @@ def _read(
     cluster = admin.describe_cluster()
     brokers = len(cluster.get("brokers", ()))
     return KafkaSnapshot(at, oldest, end, tuple(groups), next_ts, brokers)
+
+
+def partition_offsets(
+    read: Callable[[list[Any]], dict[Any, int]], tps: list[Any]
+) -> dict[Any, int]:
+    """``read`` (a consumer's ``end_offsets`` or ``beginning_offsets``) for ``tps``,
+    without the partitions the broker's answer lacks.
+
+    A topic deleted or still being created between DescribeTopics and ListOffsets
+    is missing from the answer, and kafka-python then raises ``KeyError`` for the
+    whole request: the partitions are asked one by one instead, and those missing
+    are left out (the next collection sees the topic as it is then), so that one
+    topic's race never hides every group's lag.
+    """
+    if not tps:
+        return {}
+    try:
+        return read(tps)
+    except KeyError:
+        found: dict[Any, int] = {}
+        for tp in tps:
+            try:
+                found.update(read([tp]))
+            except KeyError:
+                continue
+        return found
 
 
 def _timestamps_at(
