@@ -77,6 +77,8 @@ COMMANDS = {
     "features plan",
     "features apply",
     "features history",
+    "features logs summary",
+    "features logs join",
     "pipeline run",
     "pipeline verify",
     "cache get",
@@ -298,6 +300,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
     stamps = pa.array([0], pa.timestamp("us", tz="UTC"))
     pq.write_table(pa.table({"user_id": [1], "timestamp": stamps}), spine)  # on to the database
     history = ("--spine", str(spine), "--out", str(tmp_path / "train.parquet"))
+    join = ("--labels", str(spine), "--out", str(tmp_path / "joined.parquet"))
     cases = [
         Case(inline, ("lag", "--samples", "1", "--interval", "0.1")),
         Case(env_file, ("lag", "--json", "--samples", "1", "--interval", "0.1")),
@@ -393,6 +396,12 @@ def test_no_command_prints_a_secret_against_unreachable_services(
         Case(remote, ("deploy", "k8s", "--check", "--out", str(tmp_path / "k8s"))),
         Case(env_file, ("features", "apply", "--json", "--wait", "0"), in_process=True),
         Case(env_file, ("features", "history", "--entity", "user", *history), in_process=True),
+        Case(inline, ("features", "logs", "summary", str(tmp_path / "logs"))),
+        Case(
+            env_file,
+            ("features", "logs", "join", str(tmp_path / "logs"), *join),
+            in_process=True,
+        ),
         Case(inline, ("demo", "load", "--duration", "1")),
         Case(env_file, ("demo", "load", "--duration", "1"), in_process=True),
         Case(remote, ("demo", "run", *state)),
@@ -440,7 +449,7 @@ def test_no_command_prints_a_secret_against_unreachable_services(
 
 
 _GROUPS = {"dev", "demo", "connectors", "features", "pipeline", "cache", "workers", "lab", "deploy"}
-_SUBGROUPS = {("dev", "wan")}
+_SUBGROUPS = {("dev", "wan"), ("features", "logs")}
 
 
 def _command_of(args: tuple[str, ...]) -> str:
