@@ -285,6 +285,10 @@ def throughput(
             deadline = time.monotonic() + 600
             low, high = 0.1 * total, 0.9 * total
             t_low = t_high = None
+            # The last observation before this one: when a worker gets from under 10%
+            # to over 90% between two polls (a short run, packs of many events), the
+            # rate is timed from that observation, a lower bound, not refused.
+            t_prev, n_prev = time.monotonic(), 0.0
             while time.monotonic() < deadline and proc.poll() is None:
                 done = processed(port)
                 now = time.monotonic()
@@ -292,7 +296,10 @@ def throughput(
                     t_low, n_low = now, done
                 if done >= high:
                     t_high, n_high = now, done
+                    if t_high <= t_low:
+                        t_low, n_low = t_prev, n_prev
                     break
+                t_prev, n_prev = now, done
                 # Scraping costs the worker CPU: poll gently on long runs.
                 time.sleep(poll_s)
             if t_low is None or t_high is None:
@@ -300,8 +307,6 @@ def throughput(
                     f"{variant} worker did not get through the topic; see "
                     f"{state / (variant + '.log')}"
                 )
-            if t_high <= t_low:
-                raise SystemExit(f"{variant}: too few messages to time; raise --events")
             results[variant] = (n_high - n_low) / (t_high - t_low)
             if variant == "edgefeed":
                 sizes = scrape(port, "edgefeed_pipeline_batch_size")
