@@ -247,6 +247,12 @@ class FeatureLogger:
         region: The worker's region (a folder and a column).
         child: This process's index among ``--processes N`` (in file names).
         clock: Monotonic seconds, for the files' ages (tests pass their own).
+        counted: Called with an outcome and a number of requests whenever sampled
+            requests are ``written`` (to the open stream), ``dropped`` (the writer
+            was ``max_pending`` batches behind) or ``lost`` (a write failed, e.g. a
+            full disk); the worker counts them in
+            ``edgefeed_worker_feature_log_requests_total``. Called from the event
+            loop (dropped) and the writer thread (written, lost).
     """
 
     def __init__(
@@ -259,8 +265,10 @@ class FeatureLogger:
         region: str,
         child: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        counted: Callable[[str, int], None] | None = None,
     ) -> None:
         self._clock = clock
+        self._counted = counted
         self.settings = settings
         self.model = model
         self.model_version = model_version
@@ -325,12 +333,21 @@ class FeatureLogger:
             self._queue.put_nowait(batch)
         except queue.Full:
             self.dropped += len(batch)
+            self._count("dropped", len(batch))
             log.warning(
                 "feature log of %s: the writer is %d batches behind; %d requests not logged",
                 self.model,
                 self.settings.max_pending,
                 len(batch),
             )
+
+    def _count(self, outcome: str, requests: int) -> None:
+        if self._counted is None:
+            return
+        try:
+            self._counted(outcome, requests)
+        except Exception:  # a metric must never cost the log or the request
+            log.exception("feature log of %s: counting %s requests failed", self.model, outcome)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -413,11 +430,14 @@ class FeatureLogger:
                 self._roll_if_due()  # a file past its age takes no more rows
                 if item is not None:
                     self._write(self._to_batch(item))
+                    self._count("written", len(item))
                     self._roll_if_due()
             except Exception:  # a full disk costs log rows, never the worker
                 self.errors += 1
                 log.exception("feature log of %s: writing failed; rows lost", self.model)
                 self._abandon()
+                if item is not None:
+                    self._count("lost", len(item))
             finally:
                 if item is not None:
                     self._queue.task_done()

@@ -57,6 +57,7 @@ class WorkerMetrics:
     requests: Counter = field(init=False)
     rejected: Counter = field(init=False)
     batch_rows: Histogram = field(init=False)
+    feature_log: Counter = field(init=False)
     forward_seconds: Histogram = field(init=False)
     queue_depth: Gauge = field(init=False)
     ready: Gauge = field(init=False)
@@ -160,6 +161,13 @@ class WorkerMetrics:
             "edgefeed_worker_connections_refused",
             "Connections refused (503) because max_connections were open",
             ["region"],
+            registry=self.registry,
+        )
+        self.feature_log = Counter(
+            "edgefeed_worker_feature_log_requests",
+            "Sampled requests of the feature log by outcome: written (to its open file), "
+            "dropped (the writer was behind) or lost (a write failed, e.g. a full disk)",
+            ["region", "model", "outcome"],
             registry=self.registry,
         )
         self.unauthorized = Counter(

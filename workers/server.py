@@ -350,7 +350,21 @@ class InferenceServer:
                     model_version=slot.model.version,
                     region=self.config.region,
                     child=child,
+                    counted=self._feature_log_counter(name),
                 )
+
+    def _feature_log_counter(self, model: str) -> Callable[[str, int], None]:
+        series = {
+            outcome: self.metrics.feature_log.labels(self.config.region, model, outcome)
+            for outcome in ("written", "dropped", "lost")
+        }
+        for counter in series.values():
+            counter.inc(0)  # every outcome exported from the start, at 0
+
+        def counted(outcome: str, requests: int) -> None:
+            series[outcome].inc(requests)
+
+        return counted
 
     def feature_logger(self, name: str) -> FeatureLogger | None:
         """The feature log of model ``name`` (None: not logged)."""

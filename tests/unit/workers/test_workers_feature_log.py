@@ -472,6 +472,46 @@ async def test_the_server_logs_what_the_ranker_was_fed_and_answers_the_request_i
         assert row["prediction"] == pytest.approx(answer["scores"][row["row"]], rel=1e-6)
         assert [row[f"demo_item.i{k}"] for k in range(16)] == vectors[row["item_id"]].tolist()
         assert [row[f"demo_user.u{k}"] for k in range(16)] == vectors["u1"].tolist()
+    counted = {
+        outcome: server.metrics.registry.get_sample_value(
+            "edgefeed_worker_feature_log_requests_total",
+            {"region": server.config.region, "model": "ranker", "outcome": outcome},
+        )
+        for outcome in ("written", "dropped", "lost")
+    }
+    assert counted == {"written": 3.0, "dropped": 0.0, "lost": 0.0}
+
+
+def test_dropped_and_lost_requests_are_counted_by_outcome(folder: Path) -> None:
+    """An operator sees a log that is behind (dropped) or cannot write (lost) in the
+    worker's metrics, not only in its log."""
+    counted: list[tuple[str, int]] = []
+    config = FeatureLogSettings(dir=folder, flush_rows=1, max_pending=1)
+    logger = FeatureLogger(
+        config,
+        LAYOUT,
+        model="m",
+        model_version="7",
+        region="eu-west",
+        counted=lambda *a: counted.append(a),
+    )
+    _offer(logger, "r1")  # the writer is not started: its queue holds this batch
+    _offer(logger, "r2")  # ... and has no room for this one
+    assert counted == [("dropped", 1)]
+    logger.start()
+    logger.wait_written()
+    assert counted == [("dropped", 1), ("written", 1)]
+    logger.close()
+    logger.start()
+    for done in (folder / "eu-west" / "m").iterdir():
+        done.unlink()
+    (folder / "eu-west" / "m").rmdir()  # the folder is gone: the next write fails
+    _offer(logger, "r3")
+    logger.wait_written()
+    logger.close()
+    assert counted[2:] == [("lost", 1)]
+    assert (logger.offered, logger.dropped) == (3, 1)
+    assert logger.errors >= 1  # (the leftovers scan may also find no folder)
 
 
 def test_a_stream_whose_recoverer_died_is_recovered_by_the_next(tmp_path: Path) -> None:
