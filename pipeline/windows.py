@@ -45,6 +45,7 @@ __all__ = [
 _FOREVER = (-(1 << 62), 1 << 62)
 _MAX = 1 << 62  # sorts after any lsn/seq in an order key
 _EPOCH = datetime(1970, 1, 1)
+_TEXT = 1 << 30  # pk_rank of a key that is not a number: after every number
 EXACT_SCALE = 1 << 1074  # every finite double is an integer multiple of 2**-1074
 
 
@@ -53,7 +54,7 @@ def pk_rank(pk: str) -> tuple[int, str]:
     (rows of one multi-row insert share a WAL position): numeric keys in numeric
     order, then other keys as text. Keeps "newest" rankings a function of the rows,
     as a recomputation from the source tables (which orders by key) sees them."""
-    return (len(pk), pk) if pk.isdigit() else (1 << 30, pk)
+    return (len(pk), pk) if pk.isdigit() else (_TEXT, pk)
 
 
 def exact(value: float) -> int:
@@ -148,24 +149,46 @@ class WindowSpec:
         return times
 
 
+_UNUSED: dict[str, Any] = {}  # see _Group.__init__
+
+
 class _Group:
     __slots__ = ("count", "counters", "present", "spec", "stamps", "sums", "values")
 
     def __init__(self, spec: GroupSpec) -> None:
-        # Built for every window of a state read back from the local store: the
-        # containers a group's aggregates do not need are not made (most groups
-        # only count).
+        # Built for every window of a state read back from the local store (a
+        # quarter of the disk mode's apply path in benchmarks/scale.py at 30,000
+        # users, most of it making containers): those a group's aggregates do not
+        # need are one shared empty dict (most groups only count), never written,
+        # since :meth:`update` writes only the columns of the group's spec.
         self.spec = spec
         self.count = 0
-        self.sums = dict.fromkeys(spec.sums, 0) if spec.sums else {}
-        self.present = dict.fromkeys(spec.sums, 0) if spec.sums else {}
-        self.values: dict[str, list[float]] = {c: [] for c in spec.sorted} if spec.sorted else {}
+        if spec.sums:
+            self.sums = dict.fromkeys(spec.sums, 0)
+            self.present = dict.fromkeys(spec.sums, 0)
+        else:
+            self.sums = self.present = _UNUSED
+        self.values: dict[str, list[float]] = (
+            {c: [] for c in spec.sorted} if spec.sorted else _UNUSED
+        )
         self.counters: dict[str, Counter[Any]] = (
-            {c: Counter() for c in spec.distinct} if spec.distinct else {}
+            {c: Counter() for c in spec.distinct} if spec.distinct else _UNUSED
         )
         self.stamps: dict[str, dict[Any, list[tuple[int, int, int, tuple[int, str]]]]] = (
-            {c: {} for c in spec.stamped} if spec.stamped else {}
+            {c: {} for c in spec.stamped} if spec.stamped else _UNUSED
         )
+
+    def take(
+        self, keys: Sequence[tuple[Any, ...]], rows: Mapping[str, list[Any]], sign: int
+    ) -> None:
+        """Add (sign 1) or retract (sign -1) the live rows of ``keys`` (keys of
+        :attr:`TableIndex.order`, in time order)."""
+        spec = self.spec
+        if not (spec.where or spec.sums or spec.sorted or spec.distinct or spec.stamped):
+            self.count += sign * len(keys)  # a count of every row: nothing to look at
+            return
+        for key in keys:
+            self.update(rows[key[4]], sign, key[4])
 
     def update(self, entry: list[Any], sign: int, pk: str) -> None:
         """Add (sign 1) or retract (sign -1) one live row."""
@@ -210,9 +233,9 @@ class _Group:
 class _Window:
     __slots__ = ("groups", "high", "low", "spec")
 
-    def __init__(self, spec: WindowSpec) -> None:
+    def __init__(self, spec: WindowSpec, low: int, high: int) -> None:
         self.spec = spec
-        self.low, self.high = spec.interval(None)
+        self.low, self.high = low, high
         self.groups = {where: _Group(group) for where, group in spec.groups.items()}
 
     def update(self, entry: list[Any], sign: int, pk: str) -> None:
@@ -236,21 +259,31 @@ class TableIndex:
     def __init__(
         self, windows: Sequence[WindowSpec], rows: Mapping[str, list[Any]], at: int | None = None
     ) -> None:
-        self.windows = {spec.key: _Window(spec) for spec in windows}
-        self.ref: int | None = max((e[_T] for e in rows.values()), default=None)
+        self.ref: int | None = max([e[_T] for e in rows.values()], default=None)
         # The read time the windows stand at (:meth:`view`); None: the newest event.
         self.at: int | None = at
         stand = self.ref if at is None else at
+        self.windows = {spec.key: _Window(spec, *spec.interval(stand)) for spec in windows}
+        # (event time, lsn, seq, key rank, key): time order, ties by position, then key
+        # (the key's rank as pk_rank gives it, inlined: a call per row cost more).
+        self.order: list[tuple[int, int, int, tuple[int, str], str]] = [
+            (e[_T], e[_LSN], e[_SEQ], (len(pk), pk) if pk.isdigit() else (_TEXT, pk), pk)
+            for pk, e in rows.items()
+            if not e[_DEL]
+        ]
+        self.order.sort()
+        # Each window takes the rows of its interval, found by bisection (a state read
+        # back from the local store is indexed on its first change: most of its rows
+        # lie outside most windows). Each group still takes its rows in time order.
+        order = self.order
         for window in self.windows.values():
-            window.low, window.high = window.spec.interval(stand)
-        # (event time, lsn, seq, key rank, key): time order, ties by position, then key.
-        self.order: list[tuple[int, int, int, tuple[int, str], str]] = sorted(
-            (e[_T], e[_LSN], e[_SEQ], pk_rank(pk), pk) for pk, e in rows.items() if not e[_DEL]
-        )
-        for key in self.order:
-            entry = rows[key[4]]
-            for window in self.windows.values():
-                window.update(entry, 1, key[4])
+            if window.low >= window.high or not window.groups:
+                continue
+            first = bisect_left(order, (window.low,))
+            keys = order[first : bisect_left(order, (window.high,), first)]
+            if keys:
+                for group in window.groups.values():
+                    group.take(keys, rows, 1)
 
     def replace(
         self, pk: str, old: list[Any] | None, new: list[Any], rows: Mapping[str, list[Any]]
@@ -334,11 +367,11 @@ class TableIndex:
         self, start: int, end: int, rows: Mapping[str, list[Any]], window: _Window, sign: int
     ) -> int:
         first = bisect_left(self.order, (start,))
-        last = bisect_left(self.order, (end,))
-        for key in self.order[first:last]:
-            entry = rows[key[4]]
+        last = bisect_left(self.order, (end,), first)
+        if last > first:
+            keys = self.order[first:last]
             for group in window.groups.values():
-                group.update(entry, sign, key[4])
+                group.take(keys, rows, sign)
         return last - first
 
     # -- reading ------------------------------------------------------------------------------
