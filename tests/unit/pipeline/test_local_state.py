@@ -106,6 +106,26 @@ def test_an_entity_reads_only_its_own_records_whatever_its_neighbours_ids(
     states.close()
 
 
+def test_an_entity_with_many_chunks_in_several_tables_loads_them_all(tmp_path: Path) -> None:
+    """A table's chunks are decoded together: every row of every chunk comes back,
+    in its own table, and a row found in two chunks keeps the later chunk's entry
+    (the key order the changelog's records are read in)."""
+    states = open_states(tmp_path)
+    events = {str(i): [10 + i, 0, T0 + i * 10_000, 0, {"kind": "view", "n": i}] for i in range(30)}
+    items = {"a": [50, 0, T0, 0, {"price": 1.5}], "b": [51, 0, T0, 0, {"price": None}]}
+    moved = [60, 0, T0 + 99_000, 0, {"kind": "click"}]
+    records = [(b"user:7", rec({"lsn": 60, "rev": 3, "ts": 0, "gone": None}))]
+    for pk, entry in events.items():  # one chunk per row, as 10 s of event time each
+        records.append((f"user:7\x1fpublic.events\x1f{1000 + int(pk)}".encode(), rec({pk: entry})))
+    records.append((b"user:7\x1fpublic.events\x1f1999", rec({"3": moved})))
+    records.append((b"user:7\x1fpublic.items\x1f5", rec(items)))
+    states.partition(0).apply(records, offset=len(records))
+    loaded = states.partition(0).load("user:7")
+    assert loaded is not None and loaded["lsn"] == 60
+    assert loaded["rows"] == {"public.events": {**events, "3": moved}, "public.items": items}
+    states.close()
+
+
 def test_a_chunk_without_its_entity_record_still_loads(tmp_path: Path) -> None:
     """A cut-short checkpoint: rows without the entity record (as rebuild_states)."""
     states = open_states(tmp_path)
