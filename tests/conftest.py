@@ -24,6 +24,27 @@ from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 
 
+# `make test` runs two pytest-xdist workers with `--dist loadgroup`: the tests on
+# the session's stack (tests/integration) in one, in collection order as in a plain
+# run, and the tests that need no shared service in the other: the unit tests, then
+# the benchmarks' smoke runs, which start stacks of their own. The second's CPU work
+# fills the first's waits (alert `for:` durations, deadlines, app starts). A plain
+# `pytest` ignores the groups.
+def _xdist_group(item: pytest.Item) -> str:
+    parts = item.path.relative_to(item.config.rootpath).parts
+    if parts[:2] == ("tests", "unit") or (
+        item.path.name.endswith("_benchmark_smoke.py") and "devstack" not in item.fixturenames
+    ):
+        return "self-contained"
+    return "session-stack"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+
+
 @pytest.fixture(scope="session")
 def state_dir() -> Iterator[Path]:
     # Not pytest's tmp_path: PostgreSQL runs as 'postgres' when tests run as root and
