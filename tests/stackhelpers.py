@@ -21,6 +21,7 @@ from edgefeed.devstack.ports import free_ports
 
 if TYPE_CHECKING:
     from connectors.client import ConnectClient
+    from edgefeed.devstack import DevStack
     from edgefeed.settings import EdgefeedSettings
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "source_with_connector",
     "stack_settings_mapping",
     "start_pipeline",
+    "start_service",
     "stop_process_group",
+    "stop_service",
     "unique_name",
 ]
 
@@ -130,6 +133,26 @@ def stop_process_group(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def stop_service(stack: DevStack, name: str) -> None:
+    """Stop the stack's service ``name`` (e.g. ``redis-ap-southeast``) as `dev down`
+    would, leaving the rest running: a fault. :func:`start_service` starts it again."""
+    from edgefeed.devstack.process import read_pid, stop_pid
+
+    path = stack.pid_path(name)
+    record = read_pid(path)
+    if record is not None:
+        stop_pid(record, sig=stack.service(name).stop_signal)
+    path.unlink(missing_ok=True)
+
+
+def start_service(stack: DevStack, name: str) -> None:
+    """Start the stack's service ``name`` again and wait until it is healthy (a no-op
+    when it runs), with the same code as `edgefeed dev up`."""
+    from edgefeed.devstack import DevStack
+
+    DevStack(stack.settings, stack.state_dir, only=[name]).up()
 
 
 async def read_topic(
