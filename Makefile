@@ -30,7 +30,7 @@ lab: $(STAMP) ## The latency lab on the local stack: central vs edge, every term
 test: $(STAMP) ## Lint, type-check, then run the whole test suite (starts the real services itself)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --durations=30 $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Run the unit tests only (no services)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -24,25 +25,30 @@ from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 
 
-# `make test` runs two pytest-xdist workers with `--dist loadgroup`: the tests on
-# the session's stack (tests/integration) in one, in collection order as in a plain
-# run, and the tests that need no shared service in the other: the unit tests, then
-# the benchmarks' smoke runs, which start stacks of their own. The second's CPU work
-# fills the first's waits (alert `for:` durations, deadlines, app starts). A plain
-# `pytest` ignores the groups.
-def _xdist_group(item: pytest.Item) -> str:
-    parts = item.path.relative_to(item.config.rootpath).parts
-    if parts[:2] == ("tests", "unit") or (
-        item.path.name.endswith("_benchmark_smoke.py") and "devstack" not in item.fixturenames
-    ):
+# `make test` runs two pytest-xdist workers: the tests on the session's stack
+# (tests/integration) in one, in collection order as in a plain run, and the tests
+# that need no shared service in the other: the unit tests, then the benchmarks'
+# smoke runs, which start stacks of their own. The second's CPU work fills the
+# first's waits (alert `for:` durations, deadlines, app starts). The scheduler is
+# xdist's by-scope one with these two scopes (its `--dist loadgroup` marks the
+# node ids in a way pytest 9 no longer reads). A plain `pytest` runs as before.
+def xdist_scope(nodeid: str) -> str:
+    """The worker group of a test: "self-contained" or "session-stack"."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/unit/") or path.endswith("_benchmark_smoke.py"):
         return "self-contained"
     return "session-stack"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return TwoGroups(config, log)
 
 
 @pytest.fixture(scope="session")
