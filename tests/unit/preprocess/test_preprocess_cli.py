@@ -89,7 +89,8 @@ def test_cli_reports_bad_files_and_keeps_going(
     )
     assert result.exit_code == 2
     assert "before" in result.output and "after" in result.output
-    assert "broken.jpg" in result.output and "truncated" in result.output
+    # (rich wraps a long tmp path at the console's width, even inside the name)
+    assert "broken.jpg" in result.output.replace("\n", "") and "truncated" in result.output
     assert (tmp_path / "out" / "astronaut.efe").exists()
     assert not (tmp_path / "out" / "broken.efe").exists()
 
