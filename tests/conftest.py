@@ -24,18 +24,21 @@ from stackhelpers import REGIONS, free_ports, stack_settings_mapping, unique_nam
 from edgefeed.devstack import DevStack
 from edgefeed.settings import EdgefeedSettings, settings_from_mapping
 
-
 # `make test` runs two pytest-xdist workers: the tests on the session's stack
 # (tests/integration) in one, in collection order as in a plain run, and the tests
 # that need no shared service in the other: the unit tests, then the benchmarks'
-# smoke runs, which start stacks of their own. The second's CPU work fills the
+# smoke runs and the short fault suite, which start stacks of their own (scripts
+# and benchmarks run as a user would). The second's CPU work fills the
 # first's waits (alert `for:` durations, deadlines, app starts). The scheduler is
 # xdist's by-scope one with these two scopes (its `--dist loadgroup` marks the
 # node ids in a way pytest 9 no longer reads). A plain `pytest` runs as before.
+_OWN_STACK = ("_benchmark_smoke.py", "/test_fault_suite_short.py")
+
+
 def xdist_scope(nodeid: str) -> str:
     """The worker group of a test: "self-contained" or "session-stack"."""
     path = nodeid.split("::", 1)[0]
-    if path.startswith("tests/unit/") or path.endswith("_benchmark_smoke.py"):
+    if path.startswith("tests/unit/") or path.endswith(_OWN_STACK):
         return "self-contained"
     return "session-stack"
 
