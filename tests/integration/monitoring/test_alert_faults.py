@@ -3,8 +3,9 @@
 One Prometheus and one Alertmanager (`edgefeed dev up`'s, on free ports, scraping
 every second) watch two exporters with their bearer tokens, two sources with their
 Debezium connectors (one only watched, one feeding the real pipeline: a router and
-the eu-west, us-east and ap-southeast workers, `edgefeed pipeline run`, while a
-writer inserts a row every 0.2 s) and two model workers (`edgefeed workers serve
+the eu-west, us-east and ap-southeast workers, `edgefeed pipeline run`, each
+scraped on its `--metrics-port`, while a writer inserts a row every 0.2 s) and two
+model workers (`edgefeed workers serve
 --model ranker`, with their token) in us-east and ap-southeast, each reading its
 region's cache and asked for a ranking every 0.2 s. The faults start at once and one
 deadline covers them all (the longest `for:` plus scrapes and evaluations):
@@ -14,7 +15,8 @@ deadline covers them all (the longest `for:` plus scrapes and evaluations):
 - one exporter is killed (EdgefeedMonitorDown for its instance);
 - the eu-west worker is killed with SIGKILL while rows keep coming
   (EdgefeedConsumerStalled for its group, EdgefeedFreshnessOverBudget and
-  EdgefeedRegionBehind for eu-west);
+  EdgefeedRegionBehind for eu-west; EdgefeedConsumerLagGrowing, `for: 5m`, held
+  pending by Prometheus for its group and ap-southeast's);
 - ap-southeast's Redis is stopped (the session stack's redis-server, as `dev down`
   stops it): its ranker answers 503 (EdgefeedServingErrors for ap-southeast and
   ranker), the exporter cannot read the region (EdgefeedMonitorDown for the component
@@ -39,8 +41,15 @@ naming its connector, exporter, consumer group, region, model or topic, with its
 severity and runbook. The heal: ap-southeast's Redis started again (empty, as after
 a restart without persistence; the demo's vectors seeded again), the eu-west worker
 started again, the connector applied again, the dead exporter's target removed.
-Then every alert resolves but two whose ends promtool proves: EdgefeedDeadLettersRising
-(`increase(...[10m])`, ten minutes after the last dead letter) and
+Restarted, eu-west's worker writes its backlog minutes after the commits: over the
+freshness SLO's 1 s, so Prometheus holds EdgefeedFreshnessBudgetBurn (late share
+over 14.4% over 5 m and 1 h) and EdgefeedFreshnessBudgetSlowBurn (over 3% over 2 h
+and 1 d: here the minutes of history Prometheus has) pending or firing for eu-west,
+not for us-east; neither ends within the test (its 1-hour window keeps the late
+vectors), so promtool proves their ends and `for:`. Prometheus drops the lag-growing
+and slot alerts after the heal. Every other alert resolves but two whose ends
+promtool proves: EdgefeedDeadLettersRising (`increase(...[10m])`, ten minutes after
+the last dead letter) and
 EdgefeedServingErrors, which ends once its 1-minute window holds under 5% of 5xx, a
 minute after the heal (waiting for it would add that minute to the test); here the
 ranker's 5xx stop and its 200s come back as Prometheus reads them. ap-southeast's
@@ -134,6 +143,9 @@ class Watched:
     rankers: dict[str, str]  # region: its model worker's URL
     alertmanager: str
     prometheus: str
+    # region: its worker's --metrics-port, scraped as pipeline-REGION (the same port
+    # when it is started again: the same series, so a restart reads as a counter reset)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def folder(self) -> Path:
@@ -142,7 +154,9 @@ class Watched:
     def start_worker(self, region: str) -> None:
         """Start ``region``'s worker (:meth:`stop_pipeline` stops it)."""
         worker = start_pipeline(
-            self.settings_file, self.folder / f"{region}.log", "--region", region
+            self.settings_file,
+            self.folder / f"{region}.log",
+            *("--region", region, "--metrics-port", str(self.metrics_ports[region])),
         )
         self.workers[region] = worker
 
@@ -427,7 +441,7 @@ def _scores(settings: EdgefeedSettings, region: str, ids: range) -> dict[int, fl
 def watched(
     devstack: DevStack, stack_mapping: dict[str, Any], state_dir: Path
 ) -> Iterator[Watched]:
-    prometheus_port, alertmanager_port = free_ports(2)
+    prometheus_port, alertmanager_port, *metrics_ports = free_ports(2 + len(REGIONS))
     name = unique_name("alf").lower()
     table = f"{name}_rows"
     prefix = name.replace("_", "-")
@@ -513,6 +527,7 @@ def watched(
             f"http://127.0.0.1:{prometheus_port}",
         )
         cleanup.callback(result.stop_pipeline)
+        result.metrics_ports.update(zip(REGIONS, metrics_ports, strict=True))
         for region in REGIONS:
             result.start_worker(region)
         rankers: dict[str, subprocess.Popen[bytes]] = {}
@@ -527,6 +542,8 @@ def watched(
             result.rankers[region] = url = _ranker_url(process, folder / f"ranker-{region}.log")
             port = int(url.rsplit(":", 1)[1])
             stack.scrape("edgefeed-workers", f"ranker-{region}", port, token=WORKER_TOKEN)
+        for region, port in result.metrics_ports.items():
+            stack.scrape("edgefeed-pipeline", f"pipeline-{region}", port)
         yield result
     assert not (folder / "run" / "prometheus.pid").exists()
 
@@ -625,6 +642,14 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                     {dead_letters},
                 ),
                 (f"sum by (region) (rate({ranker_200}[1m])) > 0", "region", set(MODEL_REGIONS)),
+                # The workers' own histogram of commit-to-Redis times (the freshness
+                # SLO's input), scraped before the faults.
+                (
+                    "sum by (region) "
+                    f'(edgefeed_pipeline_freshness_seconds_count{{region=~"{regions}"}}) > 0',
+                    "region",
+                    set(REGIONS),
+                ),
                 (
                     f'edgefeed_replication_slot_active{{slot="{slot}"}} == 1 and '
                     f'edgefeed_replication_slot_retained_wal_bytes{{slot="{slot}"}} '
@@ -664,17 +689,22 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                 (BURST_ROWS,),
             )
 
-        # The slot's alerts have a `for:` of 5 and 10 minutes: here Prometheus holds
-        # them pending (their expressions true on the real stack, evaluated by the
-        # rules themselves); promtool proves the rest. The slot its connector reads is
-        # not named.
+        # The slot's alerts have a `for:` of 5 and 10 minutes, EdgefeedConsumerLagGrowing
+        # one of 5: here Prometheus holds them pending (their expressions true on the
+        # real stack, evaluated by the rules themselves); promtool proves the rest. The
+        # slot its connector reads is not named.
+        growing = [groups["eu-west"], groups[STOPPED]]
         pending = _until(
             lambda: _rule_alerts(prometheus),
             lambda alerts: (
                 _find(alerts, "EdgefeedReplicationSlotWalOverBound", slot=slot) is not None
                 and _find(alerts, "EdgefeedReplicationSlotInactive", slot=slot) is not None
+                and all(
+                    _find(alerts, "EdgefeedConsumerLagGrowing", consumergroup=group) is not None
+                    for group in growing
+                )
             ),
-            "both slot alerts pending in Prometheus",
+            "the slot alerts and eu-west's and ap-southeast's lag growing pending",
             deadline,
         )
         over = _find(pending, "EdgefeedReplicationSlotWalOverBound", slot=slot)
@@ -685,6 +715,15 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
         assert (over["state"], inactive["state"]) == ("pending", "pending")
         assert float(over["value"]) > SLOT_WAL_BOUND, over
         assert _find(pending, "EdgefeedReplicationSlotInactive", slot=piped_slot) is None
+        # eu-west's dead worker and ap-southeast's retrying one: their groups' status
+        # is STOP or STALL and their lag grows while rows keep coming. (us-east's group
+        # may be pending too for a moment on a busy machine: a WARN blip while its
+        # worker catches up, which the `for: 5m` keeps from paging, as promtool proves;
+        # that it is not stopped shows in EdgefeedConsumerStalled below.)
+        for group in growing:
+            lagging = _find(pending, "EdgefeedConsumerLagGrowing", consumergroup=group)
+            _check(lagging, "warning", group)
+            assert lagging is not None and lagging["state"] in ("pending", "firing"), lagging
 
         # What each fault pages: the alert, the labels that name what failed, its
         # severity, and what its summary must say.
@@ -781,13 +820,47 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
             f"{STOPPED}'s ranker answering 200 and no 5xx for 10 s",
             deadline,
         )
+        # eu-west's restarted worker caught up (its EdgefeedRegionBehind ended above)
+        # by writing vectors minutes after their commit: past the freshness SLO's 1 s,
+        # so its late share over 5 m and over 1 h (here: all of its history) burns the
+        # budget at over 14.4x, and over 1 d and 2 h at over 3x. Prometheus holds both
+        # burn alerts (`for: 2m`, `for: 15m`) for eu-west, and for ap-southeast, whose
+        # worker wrote the outage's rows once its Redis was back; us-east, on time all
+        # along, burns nothing. Neither ends within the test (its 1-hour window keeps the late
+        # vectors): promtool proves the end of the burn.
+        burn = ("EdgefeedFreshnessBudgetBurn", "EdgefeedFreshnessBudgetSlowBurn")
+        late = ("eu-west", STOPPED)
+        ratios = "edgefeed:freshness_slo_errors:ratio_rate5m"
+        burning = _until(
+            lambda: _rule_alerts(prometheus),
+            lambda alerts: all(
+                _find(alerts, name, region=region) for name in burn for region in late
+            ),
+            f"eu-west and {STOPPED} burning their freshness budget",
+            deadline,
+        )
+        # Their values: the late share over 1 h (page) and over 1 d (ticket).
+        for name, severity, rate in zip(burn, ("critical", "warning"), (14.4, 3), strict=True):
+            for region in late:
+                burnt = _find(burning, name, region=region)
+                _check(burnt, severity, region)
+                assert burnt is not None and burnt["state"] in ("pending", "firing"), burnt
+                assert float(burnt["value"]) > rate * 0.01, (burnt, _query(prometheus, ratios))
+            assert _find(burning, name, region="us-east") is None, (
+                burning,
+                _query(prometheus, ratios),
+            )
         _until(
             lambda: _rule_alerts(prometheus),
             lambda alerts: (
                 _find(alerts, "EdgefeedReplicationSlotWalOverBound", slot=slot) is None
                 and _find(alerts, "EdgefeedReplicationSlotInactive", slot=slot) is None
+                and not any(
+                    _find(alerts, "EdgefeedConsumerLagGrowing", consumergroup=group)
+                    for group in growing
+                )
             ),
-            "the slot alerts no longer pending once its connector reads it again",
+            "the slot alerts and the lag growing no longer pending after the heal",
             deadline,
         )
         # ap-southeast's worker rode out the outage (never restarted) and wrote its
