@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "CorruptValueError",
     "EdgeCacheError",
+    "ForeignValueError",
     "InvalidValueError",
     "LookupOverloadedError",
     "LookupTimeoutError",
@@ -67,6 +68,14 @@ class SchemaVersionError(EdgeCacheError):
 class CorruptValueError(EdgeCacheError):
     """A cached value is not in the edgefeed value format (wrong magic, format
     version or length): some other writer used the key space. Not retryable."""
+
+
+class ForeignValueError(CorruptValueError, ValueError):
+    """A write refused for one key: the key holds something that is not an edgefeed
+    value (another application's string, or a list, hash or set). The key is left
+    untouched and the rest of the batch may be written. Also a ValueError: the value
+    cannot go there, whatever retry; the pipeline sets the entity aside (quarantine)
+    and goes on with the others. Not retryable: free the key namespace."""
 
 
 class RegionUnavailableError(EdgeCacheError):

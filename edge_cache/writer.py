@@ -30,6 +30,7 @@ from edge_cache._redis import close_client
 from edge_cache.exceptions import (
     ConfigError,
     CorruptValueError,
+    ForeignValueError,
     SchemaError,
     UnknownEntityError,
 )
@@ -177,7 +178,10 @@ class WriterCore:
         """Turn the script's answers into applied flags.
 
         Raises:
-            CorruptValueError: a key held a value that is not edgefeed's.
+            ForeignValueError: a key held a value that is not edgefeed's, or another
+                Redis type (the other keys' answers are not read: the caller writes
+                them again alone, which changes nothing for those already written).
+            CorruptValueError: a freshness record could not be written.
         """
         for answer in answers[len(keys) :]:  # the freshness records' HSETs
             if isinstance(answer, Exception):
@@ -188,10 +192,15 @@ class WriterCore:
         applied: list[bool] = []
         for key, answer in zip(keys, answers[: len(keys)], strict=True):
             if isinstance(answer, Exception):
+                if str(answer).startswith("WRONGTYPE"):
+                    raise ForeignValueError(
+                        f"key {key!r} holds another Redis type, not an edgefeed value; the "
+                        "write was refused. Another application is using this key namespace"
+                    )
                 raise answer
             verdict = int(answer[0]) if isinstance(answer, list) else int(answer)
             if verdict < 0:
-                raise CorruptValueError(
+                raise ForeignValueError(
                     f"key {key!r} holds a value that is not an edgefeed value; the write was "
                     "refused. Another application is using this key namespace"
                 )

@@ -18,6 +18,7 @@ from edge_cache import (
     FeatureClient,
     FeatureSchema,
     FeatureWriter,
+    ForeignValueError,
     KeyLayout,
     Position,
     RegionSettings,
@@ -117,9 +118,17 @@ def test_foreign_value_is_refused_not_overwritten(
     writer = make_writer(regions[0], [USER])
     key = KeyLayout().key("user", 1)
     writer.client.set(key, b"someone else's data")
-    with pytest.raises(CorruptValueError, match="not an edgefeed value"):
+    with pytest.raises(ForeignValueError, match="not an edgefeed value") as refused:
         writer.upsert("user", 1, {"a": 1.0}, Position(1), time.time())
+    # Per key and for good: a CorruptValueError, and a ValueError the pipeline
+    # quarantines the entity for (not a dependency's blip it would retry forever).
+    assert isinstance(refused.value, CorruptValueError | ValueError)
     assert writer.client.get(key) == b"someone else's data"
+    other = KeyLayout().key("user", 2)
+    writer.client.rpush(other, b"a list")  # another Redis type under an entity key
+    with pytest.raises(ForeignValueError, match=r"user:2.*another Redis type"):
+        writer.upsert("user", 2, {"a": 1.0}, Position(1), time.time())
+    assert writer.client.lrange(other, 0, -1) == [b"a list"]
 
 
 def test_publish_schemas(

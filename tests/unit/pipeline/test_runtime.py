@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from edge_cache import Delete, Upsert
-from edge_cache.exceptions import InvalidValueError
+from edge_cache.exceptions import ForeignValueError, InvalidValueError
 from edgefeed.settings import load_settings
 from pipeline.exceptions import SinkUnavailableError
 from pipeline.features import EntityState, FeatureEngine
@@ -237,6 +237,7 @@ class FakeCache:
         self.vectors: dict[str, Any] = {}
         self.down_for = 0  # the next writes that find the cache unavailable
         self.refuse: set[str] = set()  # entity keys whose values the cache refuses
+        self.foreign: set[str] = set()  # entity keys another application holds
         self.lost = False
         self.quarantine_list: dict[str, str] = {}  # what monitoring reads
         self.writes: list[tuple[list[str], bool]] = []  # (entity keys, with freshness)
@@ -280,6 +281,8 @@ class FakeCache:
         for op in ops:
             if f"{op.entity}:{op.id}" in self.refuse:
                 raise InvalidValueError(f"feature value of {op.entity}:{op.id} does not fit")
+            if f"{op.entity}:{op.id}" in self.foreign:
+                raise ForeignValueError(f"key {op.entity}:{op.id} holds another Redis type")
         for op in ops:
             key = f"{op.entity}:{op.id}"
             self.vectors[key] = op.values if isinstance(op, Upsert) else None
@@ -511,6 +514,29 @@ async def test_an_unavailable_cache_is_retried_and_nothing_is_acked_meanwhile() 
     clock.now += 1.0
     await runtime.checkpoint()
     assert acked(journal) == [1]
+
+
+async def test_a_key_another_application_holds_quarantines_its_entity_not_the_region() -> None:
+    """A foreign value (or another Redis type) under one entity's key is refused by the
+    writer for that key alone: the entity is set aside, the others are written and
+    acked, and nothing is retried as if Redis were down."""
+    runtime, journal, cache, _changelog, _dead, clock = make_runtime()
+    cache.foreign = {"user:8"}
+    await runtime.on_message(Delivery(0, 1), pack(view(1, 7, 10), view(2, 8, 11), view(3, 9, 12)))
+    clock.now += 0.05
+    await runtime.flush()
+    assert set(cache.vectors) == {"user:7", "user:9"}
+    assert set(runtime.quarantined) == {"user:8"}
+    assert "another Redis type" in runtime.quarantined["user:8"]
+    assert runtime.fatal == []  # type: ignore[attr-defined]
+    clock.now += 1.0
+    await runtime.checkpoint()
+    assert acked(journal) == [1]
+    cache.foreign = set()  # the other application's key removed: the next change heals it
+    await runtime.on_message(Delivery(0, 2), pack(view(4, 8, 13)))
+    clock.now += 0.05
+    await runtime.flush()
+    assert cache.vectors["user:8"]["views_30m"] == 2 and runtime.quarantined == {}
 
 
 async def test_an_entity_the_cache_refuses_is_quarantined_and_the_rest_flows() -> None:
