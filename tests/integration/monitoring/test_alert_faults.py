@@ -24,6 +24,10 @@ deadline covers them all (the longest `for:` plus scrapes and evaluations):
   EdgefeedFreshnessOverBudget does not judge it), and its worker retries without
   committing (EdgefeedRegionBehind for ap-southeast, EdgefeedConsumerStalled for its
   group);
+- an entity's key in us-east's Redis is held by another application (a list): us-east's
+  worker refuses that entity alone, quarantines it and writes the rest
+  (EdgefeedEntitiesQuarantined, `for: 5m`, held pending in Prometheus; dropped once the
+  key is freed and the entity's next change is written);
 - a row whose score is out of its feature's int32 range is written: the running
   us-east worker dead-letters it (EdgefeedDeadLettersRising for us-east's
   dead-letter topic, the reason `out-of-range` in the exporter's reason counter);
@@ -92,6 +96,7 @@ from stackhelpers import (
 
 from connectors import deploy
 from connectors.client import ConnectClient
+from edge_cache import KeyLayout
 from edgefeed.devstack import DevStack
 from edgefeed.lookup import feature_client
 from edgefeed.settings import EdgefeedSettings, load_settings
@@ -121,6 +126,9 @@ BUDGET_S = 10
 # second); BURST_ROWS rows of a table no source captures write several MiB of WAL.
 SLOT_WAL_BOUND = 1 << 20
 BURST_ROWS = 60_000
+# The entity whose key another application holds in us-east's Redis (a list): its
+# worker quarantines it, writes the rest, and writes it once the key is freed.
+FOREIGN_ID = 10**12 + 1
 # Their ends are promtool's (deploy/prometheus/tests): ten minutes after the last
 # dead letter; a minute after the last 5xx.
 RESOLVED_BY_PROMTOOL = ("EdgefeedDeadLettersRising", "EdgefeedServingErrors")
@@ -185,79 +193,85 @@ class Watched:
             assert run.returncode == 0, out
 
 
-@dataclass
-class Writer:
+class _Every:
+    """A loop on a daemon thread, one step every 0.2 s, until stopped; an error ends
+    it and is raised again by :meth:`stop` (the test must not hide it)."""
+
+    name = "loop"
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._guarded, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.error = exc
+
+    def _ticks(self) -> Iterator[None]:
+        while not self._stop.wait(0.2):
+            yield None
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class Writer(_Every):
     """Inserts a row into the pipeline's table every 0.2 s until stopped; ``last`` is
     the id of the last row written (row ``n`` has the score ``n % 1000``)."""
 
-    dsn: str
-    table: str
-    last: int = 0
-    error: BaseException | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    name = "row-writer"
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="row-writer", daemon=True)
-        self._thread.start()
+    def __init__(self, dsn: str, table: str) -> None:
+        super().__init__()
+        self.dsn, self.table, self.last = dsn, table, 0
 
-    def _run(self) -> None:
-        try:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
-                while not self._stop.wait(0.2):
-                    row = self.last + 1
-                    conn.execute(
-                        f"INSERT INTO public.{self.table} (id, score) VALUES (%s, %s)",
-                        (row, row % 1000),
-                    )
-                    self.last = row
-        except BaseException as exc:  # re-raised by stop(): the test must not hide it
-            self.error = exc
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
+    def _loop(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for _ in self._ticks():
+                row = self.last + 1
+                conn.execute(
+                    f"INSERT INTO public.{self.table} (id, score) VALUES (%s, %s)",
+                    (row, row % 1000),
+                )
+                self.last = row
 
 
-@dataclass
-class Traffic:
+class Traffic(_Every):
     """Asks each region's ranker for a ranking every 0.2 s until stopped, counting
-    the answers' HTTP statuses per region."""
+    the answers' HTTP statuses per region (a worker must always answer)."""
 
-    rankers: dict[str, str]
-    token: str
-    statuses: dict[str, Counter[int]] = field(default_factory=dict)
-    error: BaseException | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    name = "ranker-traffic"
+
+    def __init__(self, rankers: dict[str, str], token: str) -> None:
+        super().__init__()
+        self.rankers, self.token = rankers, token
+        self.statuses: dict[str, Counter[int]] = {}
 
     def start(self) -> None:
         self.statuses = {region: Counter() for region in self.rankers}
-        self._thread = threading.Thread(target=self._run, name="ranker-traffic", daemon=True)
-        self._thread.start()
+        super().start()
 
-    def _run(self) -> None:
-        try:
-            with requests.Session() as session:
-                session.headers["Authorization"] = f"Bearer {self.token}"
-                while not self._stop.wait(0.2):
-                    for region, url in self.rankers.items():
-                        answer = session.post(
-                            f"{url}/v1/models/ranker/infer", json=INFER, timeout=30
-                        )
-                        self.statuses[region][answer.status_code] += 1
-        except BaseException as exc:  # re-raised by stop(): a worker must always answer
-            self.error = exc
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
+    def _loop(self) -> None:
+        with requests.Session() as session:
+            session.headers["Authorization"] = f"Bearer {self.token}"
+            for _ in self._ticks():
+                for region, url in self.rankers.items():
+                    answer = session.post(f"{url}/v1/models/ranker/infer", json=INFER, timeout=30)
+                    self.statuses[region][answer.status_code] += 1
 
 
 def _exporter(
@@ -670,10 +684,14 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
         # has let go of it: a reader still streaming would confirm it).
         os.killpg(watched.workers["eu-west"].pid, signal.SIGKILL)
         watched.workers["eu-west"].wait()
+        foreign_key = KeyLayout().key("pref", FOREIGN_ID)
+        us_east_redis = next(r for r in settings.regions if r.name == "us-east").redis_url
+        with redis.Redis.from_url(us_east_redis) as client:
+            client.rpush(foreign_key, b"another application's list")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
-                f"INSERT INTO public.{watched.table} (id, score) VALUES (%s, %s)",
-                (10**12, 2**40),
+                f"INSERT INTO public.{watched.table} (id, score) VALUES (%s, %s), (%s, %s)",
+                (10**12, 2**40, FOREIGN_ID, 7),
             )
         stop_service(watched.services, f"redis-{STOPPED}")
         with ConnectClient(settings.connect.url, timeout_s=30) as client:
@@ -703,10 +721,19 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                     _find(alerts, "EdgefeedConsumerLagGrowing", consumergroup=group) is not None
                     for group in growing
                 )
+                and _find(alerts, "EdgefeedEntitiesQuarantined", region="us-east") is not None
             ),
-            "the slot alerts and eu-west's and ap-southeast's lag growing pending",
+            "the slot alerts, eu-west's and ap-southeast's lag growing and us-east's "
+            "quarantined entity pending",
             deadline,
         )
+        # us-east's worker refused the entity whose key another application holds,
+        # alone (`for: 5m`: pending here), and left the key as it was.
+        quarantined = _find(pending, "EdgefeedEntitiesQuarantined", region="us-east")
+        _check(quarantined, "warning", "us-east")
+        assert quarantined is not None and float(quarantined["value"]) == 1, quarantined
+        with redis.Redis.from_url(us_east_redis) as client:
+            assert client.lrange(foreign_key, 0, -1) == [b"another application's list"]
         over = _find(pending, "EdgefeedReplicationSlotWalOverBound", slot=slot)
         inactive = _find(pending, "EdgefeedReplicationSlotInactive", slot=slot)
         _check(over, "critical", slot)
@@ -795,6 +822,12 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
             if remove is not None:
                 remove("exporter-doomed")
         watched.seed(STOPPED)
+        with redis.Redis.from_url(us_east_redis) as client:
+            client.delete(foreign_key)  # the other application gone: the next change heals
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                f"UPDATE public.{watched.table} SET score = 8 WHERE id = %s", (FOREIGN_ID,)
+            )
 
         # EdgefeedDeadLettersRising ends ten minutes after the last dead letter and
         # EdgefeedServingErrors once its 1-minute window holds under 5% of 5xx, a
@@ -859,10 +892,16 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                     _find(alerts, "EdgefeedConsumerLagGrowing", consumergroup=group)
                     for group in growing
                 )
+                and _find(alerts, "EdgefeedEntitiesQuarantined", region="us-east") is None
             ),
-            "the slot alerts and the lag growing no longer pending after the heal",
+            "the slot alerts, the lag growing and the quarantine no longer pending after the heal",
             deadline,
         )
+        # The quarantined entity's change after the heal is in us-east's cache.
+        foreign_rows = range(FOREIGN_ID, FOREIGN_ID + 1)
+        while _scores(settings, "us-east", foreign_rows) != {FOREIGN_ID: 8}:
+            assert time.monotonic() < deadline, _logs(watched.folder)
+            time.sleep(0.5)
         # ap-southeast's worker rode out the outage (never restarted) and wrote its
         # region again: the rows from before the outage, lost with the Redis, and those
         # that came during it.
