@@ -78,6 +78,31 @@ def unique_name(prefix: str) -> str:
     return f"{prefix}_{os.getpid()}_{next(_unique)}_{uuid.uuid4().hex[:6]}"
 
 
+def score_pipeline(prefix: str, table: str) -> dict[str, object]:
+    """The settings' ``pipeline`` (topics and groups named after ``prefix``, one
+    partition) and ``entities`` for the pipeline tests' one entity: ``pref``, not
+    personal, keyed by ``id``, whose int32 ``score`` is the latest value of
+    ``public.<table>.score``."""
+    source = f"public.{table}"
+    return {
+        "pipeline": {
+            "app_prefix": prefix,
+            "region_topic_prefix": f"{prefix}.region",
+            "dead_letter_topic": f"{prefix}.deadletter",
+            "partitions": 1,
+            "commit_interval_s": 0.5,
+        },
+        "entities": [
+            {
+                "name": "pref",
+                "personal": False,
+                "tables": {source: "id"},
+                "latest": [{"name": "score", "table": source, "column": "score", "dtype": "int32"}],
+            }
+        ],
+    }
+
+
 def source_with_connector(
     cleanup: contextlib.ExitStack, settings: EdgefeedSettings, table: str, *, score: str = "int"
 ) -> ConnectClient:

@@ -86,6 +86,7 @@ import requests
 import yaml
 from stackhelpers import (
     free_ports,
+    score_pipeline,
     source_with_connector,
     start_pipeline,
     start_service,
@@ -479,28 +480,7 @@ def watched(
             "tables": [{"name": f"{table}_p", "key": ["id"]}],
         },
     ]
-    mapping["pipeline"] = {
-        "app_prefix": prefix,
-        "region_topic_prefix": f"{prefix}.region",
-        "dead_letter_topic": f"{prefix}.deadletter",
-        "partitions": 1,
-        "commit_interval_s": 0.5,
-    }
-    mapping["entities"] = [
-        {
-            "name": "pref",
-            "personal": False,
-            "tables": {f"public.{table}_p": "id"},
-            "latest": [
-                {
-                    "name": "score",
-                    "table": f"public.{table}_p",
-                    "column": "score",
-                    "dtype": "int32",
-                }
-            ],
-        }
-    ]
+    mapping.update(score_pipeline(prefix, f"{table}_p"))
     folder = state_dir / name
     folder.mkdir()
     settings_file = folder / "edgefeed.yaml"

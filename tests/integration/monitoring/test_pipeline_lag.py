@@ -22,6 +22,7 @@ import psycopg
 import pytest
 import yaml
 from stackhelpers import (
+    score_pipeline,
     source_with_connector,
     start_pipeline,
     stop_process_group,
@@ -98,23 +99,7 @@ def pipeline(
         {"name": name, "snapshot_mode": "no_data", "tables": [{"name": table, "key": ["id"]}]}
     ]
     prefix = name.replace("_", "-")
-    mapping["pipeline"] = {
-        "app_prefix": prefix,
-        "region_topic_prefix": f"{prefix}.region",
-        "dead_letter_topic": f"{prefix}.deadletter",
-        "partitions": 1,
-        "commit_interval_s": 0.5,
-    }
-    mapping["entities"] = [
-        {
-            "name": "pref",
-            "personal": False,
-            "tables": {f"public.{table}": "id"},
-            "latest": [
-                {"name": "score", "table": f"public.{table}", "column": "score", "dtype": "int32"}
-            ],
-        }
-    ]
+    mapping.update(score_pipeline(prefix, table))
     folder = state_dir / name
     folder.mkdir()
     settings_file = folder / "edgefeed.yaml"
