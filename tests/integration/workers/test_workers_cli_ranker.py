@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from worker_process import seed_demo, worker_process  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.integration
 
@@ -51,43 +51,14 @@ async def test_seed_demo_then_serve_ranker_from_the_region_cache(
     tmp_path: Path, region_cache: aioredis.Redis, workers_redis_url: str
 ) -> None:
     settings = _settings(tmp_path, workers_redis_url)
-    seeded = subprocess.run(
-        [EDGEFEED, "--settings", str(settings), "workers", "seed-demo", "--region", "eu-west"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert seeded.returncode == 0, seeded.stderr
-    assert "wrote 200 demo_user and 500 demo_item vectors" in seeded.stdout
+    assert "wrote 200 demo_user and 500 demo_item vectors" in seed_demo(settings, "eu-west")
 
-    process = subprocess.Popen(
-        [
-            EDGEFEED,
-            "--settings",
-            str(settings),
-            "workers",
-            "serve",
-            "--model",
-            "ranker",
-            "--region",
-            "eu-west",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "COLUMNS": "300"},
-    )
-    try:
-        assert process.stderr is not None
-        line = process.stderr.readline()
+    with worker_process("--model", "ranker", settings=settings, region="eu-west") as worker:
+        line = worker.banner
         assert "serving 'ranker' for region 'eu-west'" in line, line
         # The ranker's own batch default (its rows are tiny) and the worker's loop.
         assert "256 rows per batch; event loop uvloop" in line, line
-        url = line.split(" at ", 1)[1].split()[0]
+        url = worker.url
         status, body, headers = _post_json(
             f"{url}/v1/models/ranker/infer", {"user_id": "u3", "item_ids": ["i1", "i2", "i3"]}
         )
@@ -106,14 +77,8 @@ async def test_seed_demo_then_serve_ranker_from_the_region_cache(
         )
         assert status == 422
         assert "demo_user 'nobody': no features" in body["error"]["message"]  # type: ignore[index]
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(timeout=30) == 0
 
 
 def test_serve_ranker_for_an_undeclared_region_exits_2(

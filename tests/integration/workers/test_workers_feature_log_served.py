@@ -4,7 +4,6 @@ exactly what it served: the values its model was fed and the scores it answered.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from worker_process import seed_demo, worker_process  # type: ignore[import-not-found]
 
 from workers.synthetic import click_world
 
@@ -55,50 +55,20 @@ async def test_a_served_worker_logs_exactly_the_values_and_scores_it_served(
             }
         )
     )
-    base = [EDGEFEED, "--settings", str(settings), "workers"]
-    seeded = subprocess.run(
-        [*base, "seed-demo", "--region", "eu-west"], capture_output=True, text=True, timeout=120
-    )
-    assert seeded.returncode == 0, seeded.stderr
-    process = subprocess.Popen(
-        [
-            *base,
-            "serve",
-            "--model",
-            "ranker",
-            "--region",
-            "eu-west",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--processes",
-            str(processes),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "COLUMNS": "300"},
-    )
+    seed_demo(settings, "eu-west")
     world = click_world()
     served: dict[str, tuple[str, list[str], list[float]]] = {}
-    try:
-        assert process.stderr is not None
-        line = process.stderr.readline()
-        assert f"feature log {logs / 'eu-west'} at 100%" in line, line
-        url = line.split(" at ", 1)[1].split()[0]
+    with worker_process(
+        "--model", "ranker", "--processes", str(processes), settings=settings, region="eu-west"
+    ) as worker:
+        assert f"feature log {logs / 'eu-west'} at 100%" in worker.banner, worker.banner
         for n in range(30):
             user = world.user_ids[n % 7]
             items = list(world.item_ids[n : n + 1 + n % 5])
-            answer = _rank(url, {"user_id": user, "item_ids": items}, f"req-{n}")
+            answer = _rank(worker.url, {"user_id": user, "item_ids": items}, f"req-{n}")
             served[f"req-{n}"] = (user, items, answer["scores"])  # type: ignore[assignment]
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(timeout=60) == 0
     files = sorted((logs / "eu-west" / "ranker").iterdir())
     assert files and all(f.suffix == ".parquet" for f in files), files
     children = {re.search(r"-c(\d+)-", f.name).group(1) for f in files}  # type: ignore[union-attr]
@@ -128,35 +98,3 @@ async def test_a_served_worker_logs_exactly_the_values_and_scores_it_served(
     assert found["rows"] == len(rows)
     assert found["entity_types"] == ["demo_item", "demo_user"]
     assert found["corrupt"] == [] and found["temporary"] == []
-
-
-BENCHMARK = Path(__file__).resolve().parents[3] / "benchmarks" / "serving.py"
-
-
-def test_serving_benchmark_smoke_compares_a_logging_worker(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARK),
-            "--smoke",
-            "--baseline-ref",
-            "",
-            "--feature-log",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    logged = report["runs"]["logged"]
-    assert logged["requests"] + sum(logged["errors"].values()) == 60
-    # Every answered request, warm-up ones too, logged its 20 items.
-    assert report["feature_log_rows"] >= 20 * logged["requests"]
-    assert report["feature_log_rows"] % 20 == 0
-    assert set(report["ratios_logged_over_after"]) == {"p50", "p95", "p99"}
-    assert "T_service logged/after" in done.stdout

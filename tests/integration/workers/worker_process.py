@@ -31,6 +31,7 @@ class WorkerProcess:
 
     url: str
     process: subprocess.Popen[str]
+    banner: str
     lines: list[str] = field(default_factory=list)
 
     @property
@@ -69,22 +70,44 @@ class WorkerProcess:
             return error.code, json.loads(error.read()), dict(error.headers)
 
 
+def seed_demo(settings: Path, region: str) -> str:
+    """`edgefeed --settings S workers seed-demo --region R`: its stdout; fails on an error."""
+    seeded = subprocess.run(
+        [EDGEFEED, "--settings", str(settings), "workers", "seed-demo", "--region", region],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert seeded.returncode == 0, seeded.stderr
+    return seeded.stdout
+
+
 @contextmanager
-def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[WorkerProcess]:
-    """Start `edgefeed workers serve ARGS --port 0 --device cpu`; stop it (SIGTERM) after.
+def worker_process(
+    *args: str,
+    env: dict[str, str] | None = None,
+    settings: Path | None = None,
+    region: str = "local",
+) -> Iterator[WorkerProcess]:
+    """Start `edgefeed [--settings S] workers serve ARGS --region R --port 0 --device cpu`;
+    stop it (SIGTERM) after, unless the test stopped it.
 
     One process (``--processes 1``, today's worker) unless ``args`` say how many.
+    ``banner`` is the worker's first stderr line (where it serves, what it loaded).
     """
     processes = () if "--processes" in args else ("--processes", "1")
+    where = ("--settings", str(settings)) if settings is not None else ()
     process = subprocess.Popen(
         [
             EDGEFEED,
+            *where,
             "workers",
             "serve",
             *args,
             *processes,
             "--region",
-            "local",
+            region,
             "--port",
             "0",
             "--device",
@@ -104,7 +127,7 @@ def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[Wo
         process.stderr.close()
         raise AssertionError(f"worker did not start: {first}{rest}")
     url = first.split(" at ", 1)[1].split()[0]
-    worker = WorkerProcess(url=url, process=process)
+    worker = WorkerProcess(url=url, process=process, banner=first)
     stream = process.stderr
 
     def pump() -> None:
