@@ -16,6 +16,9 @@ _FRESHNESS_BUCKETS = (
     0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
 )  # fmt: skip
+_RENEWAL_LAG_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class PipelineMetrics:
     renewals: Counter
     renewal_lag: Histogram
     history: Gauge
+    held: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PipelineMetrics:
@@ -142,21 +146,14 @@ class PipelineMetrics:
                 "From the end of a vector's schedule to its renewal in the cache: how long "
                 "a read could see the schedule's last vector past its time",
                 ["region"],
-                buckets=(
-                    0.001,
-                    0.0025,
-                    0.005,
-                    0.01,
-                    0.05,
-                    0.1,
-                    0.25,
-                    0.5,
-                    1.0,
-                    2.0,
-                    5.0,
-                    10.0,
-                    30.0,
-                ),
+                buckets=_RENEWAL_LAG_BUCKETS,
+                registry=registry,
+            ),
+            held=Counter(
+                "edgefeed_pipeline_backpressure_seconds_total",
+                "Seconds a regional worker took no message because its changed states, "
+                "not yet stored by a checkpoint, filled its memory budget (state_memory_mb)",
+                ["region"],
                 registry=registry,
             ),
         )

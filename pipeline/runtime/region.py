@@ -285,6 +285,7 @@ class RegionRuntime:
         self._renewals: list[tuple[int, str]] = []
         self._renewed = metrics.renewals.labels(region)
         self._renewal_lag = metrics.renewal_lag.labels(region)
+        self._held = metrics.held.labels(region)
         # Partition -> (the offset after the newest message taken, the source commit
         # time in ms of the newest change in it; 0: none yet) since the last recovery:
         # what the readiness probe compares with the log's end (pipeline.probes).
@@ -344,6 +345,8 @@ class RegionRuntime:
         """Apply one regional message (a pack of changes, or one change)."""
         if self.store_error is not None:
             await self._until_store_writable()
+        if self.live.over:
+            await self._until_dirty_stored()
         self.ledger.received(delivery)
         if self.batch.opened_at is None:
             self._wake.set()  # a batch opens: its due time is the next duty
@@ -504,7 +507,9 @@ class RegionRuntime:
             await self.renew()
         elif self.store is not None and now >= self._next_store_due:
             self._next_store_due = now + IDLE_TICK_S
-            while await self.renew() >= RENEW_SLICE:
+            # Renewals dirty the states they write (their schedules): a slice at a
+            # time while the memory budget has room for them.
+            while await self.renew() >= RENEW_SLICE and not self.live.over:
                 pass
         if now >= self._next_intact_check:
             if self._flush_lock.locked():  # a write is retrying: ask again soon
@@ -888,6 +893,33 @@ class RegionRuntime:
                 ):
                     del self._renew_at[key]  # its heap entry is skipped as stale
             self.live.stored(generations)
+
+    async def _until_dirty_stored(self) -> None:
+        """Backpressure: the changed states, not yet stored, fill the memory budget
+        (the stream came faster than checkpoints stored it). Take no message until
+        checkpoints stored them, by the checkpoint's own path (the broker's acks,
+        then the store): a dirty state is never dropped, and the estimate passes the
+        budget by one message's changes at most."""
+        started = time.perf_counter()
+        log.info("region %s: changed states fill the memory budget; checkpointing", self.region)
+        while self.live.over and self.store_error is None:
+            before = self.live.dirty_weight
+            # The open batch and the lane to the cache: every dirty state is then in
+            # the ledger, and a checkpoint starts (it is due: the cache is full).
+            await self.flush(lane=True)
+            task = self._checkpoint_task
+            if task is not None and not task.done():
+                await asyncio.wait([task])
+                if task.cancelled() or task.exception() is not None:
+                    break  # the worker stops (on_fatal); waiting would not end
+            elif self._checkpoint_lock.locked():  # one called directly (a revoke)
+                async with self._checkpoint_lock:
+                    pass
+            if self.live.dirty_weight >= before:
+                # Nothing a checkpoint could store (a bug): go on rather than hang.
+                log.warning("region %s: changed states over the memory budget", self.region)
+                break
+        self._held.inc(time.perf_counter() - started)
 
     async def _until_store_writable(self) -> None:
         """Wait, consuming nothing, until a checkpoint reaches the local store again

@@ -14,7 +14,11 @@ unit tests (tests/unit/pipeline/test_local_state.py):
    store again (the entity record and its row chunks).
 3. Dirty states above :data:`DIRTY_SHARE` of the budget make the cache
    :attr:`~StateCache.full`: the worker starts a checkpoint then, before its
-   interval, so that the estimate stays near the budget.
+   interval, so that the estimate stays near the budget. Dirty states above the
+   whole budget (changes came faster than a checkpoint stored them) make it
+   :attr:`~StateCache.over`: the worker takes no new message until a checkpoint
+   stored them (backpressure), so the estimate never passes the budget by more
+   than one message's changes.
 4. Without a store (``loader`` None) nothing is evicted: the states are the
    whole truth, as before issue 36.
 """
@@ -38,7 +42,11 @@ ENTITY_BYTES = 2_000
 # The share of the budget dirty states may take before a checkpoint is started
 # early (:attr:`StateCache.full`): they cannot be evicted until one stores them,
 # so without it they grew past the budget between checkpoints (377-509 MB
-# against 256 in benchmarks/scale.py).
+# against 256 in benchmarks/scale.py). Half: the other half is room for what the
+# stream changes while that checkpoint runs (as much again as it stores, at the
+# rate it came at), so a checkpoint that keeps up never meets the backpressure
+# at the whole budget (:attr:`StateCache.over`), and the clean states, the hot
+# ones read again soonest, keep at least half of it once it ends.
 DIRTY_SHARE = 0.5
 
 
@@ -151,10 +159,20 @@ class StateCache(MutableMapping[str, EntityState]):
     # -- dirty and clean ---------------------------------------------------------------------
 
     def changed(self, key: str) -> None:
-        """``key``'s state changed in place (its bookkeeping, say): dirty again."""
-        state = self.peek(key)
-        if state is not None:
-            self[key] = state
+        """``key``'s bookkeeping changed in place (its rows did not): dirty again,
+        its weight as it was (not counted again: this runs for every vector
+        written)."""
+        if key in self._dirty:
+            if self.budget_bytes is not None:
+                self._changed.move_to_end(key)
+        else:
+            state = self._clean.pop(key, None)
+            if state is None:
+                return
+            self._changed[key] = state
+            self.dirty_weight += self._weights.get(key, 0)
+        self._generation += 1
+        self._dirty[key] = self._generation
 
     def generation(self, key: str) -> int | None:
         """The generation of ``key``'s newest change (None: clean)."""
@@ -186,6 +204,14 @@ class StateCache(MutableMapping[str, EntityState]):
         should store them now, so that they become evictable."""
         budget = self.budget_bytes
         return budget is not None and self.dirty_weight > DIRTY_SHARE * budget
+
+    @property
+    def over(self) -> bool:
+        """Dirty states hold more than the whole budget (changes came faster than
+        checkpoints stored them): no new change should be taken until a checkpoint
+        stored them, or the estimate would grow past the budget."""
+        budget = self.budget_bytes
+        return budget is not None and self.dirty_weight > budget
 
     # -- internals ---------------------------------------------------------------------------
 

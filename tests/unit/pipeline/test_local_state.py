@@ -313,6 +313,43 @@ def test_dirty_states_over_their_share_of_the_budget_make_the_cache_full() -> No
     assert not StateCache(None, budget_bytes=0).full  # without a store: never
 
 
+def test_bookkeeping_changed_in_place_dirties_a_state_at_the_weight_it_had() -> None:
+    """A vector written changes its state's bookkeeping, not its rows: the state is
+    dirty again (clean ones move to the dirty), its weight counted as it was."""
+    loader = DictLoader()
+    loader.stored["e:1"] = entity(3)
+    cache = StateCache(loader, budget_bytes=10**9)
+    state = cache.get("e:1")
+    assert state is not None and cache.generation("e:1") is None
+    weight = ENTITY_BYTES + 3 * ROW_BYTES
+    state["until"] = 5
+    cache.changed("e:1")
+    first = cache.generation("e:1")
+    assert first is not None and cache.dirty == 1
+    assert cache.weight == cache.dirty_weight == weight
+    cache.changed("e:1")  # changed again: a newer generation, counted once
+    again = cache.generation("e:1")
+    assert again is not None and again > first and cache.dirty_weight == weight
+    cache.stored([("e:1", first)])  # an older checkpoint: still dirty
+    assert cache.dirty_weight == weight
+    cache.stored([("e:1", again)])
+    assert cache.dirty_weight == 0 and cache.weight == weight
+    cache.changed("e:2")  # not in memory: nothing read, nothing counted
+    assert "e:2" not in cache and loader.loads == ["e:1"] and cache.weight == weight
+
+
+def test_dirty_states_over_the_whole_budget_make_the_cache_over() -> None:
+    cache = StateCache(DictLoader(), budget_bytes=4 * ENTITY_BYTES)
+    for i in range(4):
+        cache[f"e:{i}"] = entity()
+    assert cache.full and not cache.over  # a checkpoint is due; messages still taken
+    cache["e:4"] = entity()
+    assert cache.over
+    cache.stored([(f"e:{i}", cache.generation(f"e:{i}")) for i in range(5)])
+    assert not cache.over and cache.dirty_weight == 0 and cache.weight <= 4 * ENTITY_BYTES
+    assert not StateCache(None, budget_bytes=0).over  # without a store: never
+
+
 def test_without_a_store_nothing_is_evicted() -> None:
     cache = StateCache(None, budget_bytes=0)
     cache["e:1"] = entity()
@@ -455,6 +492,91 @@ async def test_dirty_states_over_the_budget_are_checkpointed_before_the_interval
     assert ("close", [0]) in journal.events and acked(journal)  # checkpointed, acked
     assert runtime.live.weight <= 2 * budget
     local.close()
+
+
+class SlowBrokerChangelog(StoreChangelog):
+    """A broker that acknowledges a checkpoint's records only once the test opens
+    ``gate``: the checkpoint runs beside the stream, as on a busy broker."""
+
+    def __init__(self, local: LocalStates, journal: Journal) -> None:
+        super().__init__(local, journal)
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def close(self, partitions: Mapping[int, Delivery]) -> None:
+        await self.gate.wait()
+        await super().close(partitions)
+
+
+async def drive(
+    runtime: RegionRuntime, changelog: SlowBrokerChangelog, clock: Clock, bodies: list[bytes]
+) -> tuple[int, int, int]:
+    """Apply ``bodies`` as messages 0..n-1, a batch closing after each, with the
+    broker holding every checkpoint's acknowledgement until a message is held up
+    waiting for it; (messages held, the highest estimate above the budget, the
+    checkpoints before the first interval ended)."""
+    budget = runtime.live.budget_bytes or 0
+    held, above, early = 0, 0, 0
+    interval_ends = clock.now + runtime.ledger.interval_s
+    for offset, body in enumerate(bodies):
+        changelog.gate.clear()
+        task = asyncio.ensure_future(runtime.on_message(Delivery(0, offset), body))
+        for _ in range(100):  # all that can run without the broker's acks
+            await asyncio.sleep(0)
+        above = max(above, runtime.live.weight - budget)
+        if not task.done():  # backpressure: waits for a checkpoint to store them
+            held += 1
+            assert runtime.live.over
+            changelog.gate.set()
+        await asyncio.wait_for(task, 5)
+        above = max(above, runtime.live.weight - budget)
+        clock.now += 0.021  # the batch closes; an early checkpoint starts if due
+        if clock.now < interval_ends:
+            early = sum(1 for kind, _ in changelog.journal.events if kind == "close")
+        await runtime.tick()
+        above = max(above, runtime.live.weight - budget)
+    changelog.gate.set()
+    await settle(runtime, clock)
+    return held, above, early
+
+
+async def test_a_stream_faster_than_checkpoints_is_held_within_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Changes that dirty ten times the memory budget before a checkpoint's interval,
+    with a broker slow to acknowledge: checkpoints start early, the stream is held
+    once changed states fill the budget (never more than one message's changes
+    above it) and released once a checkpoint stored them; nothing is lost: every
+    vector equals that of a worker that keeps every state in memory."""
+    local = engine_for(tmp_path / "small")
+    budget = 40 * (ENTITY_BYTES + ROW_BYTES)
+    # Each message: 10 users (a row each; their second row in the second round).
+    pack_weight = 10 * (ENTITY_BYTES + 2 * ROW_BYTES)
+    policy = BatchPolicy(max_changes=1000, within_s=0.02, catch_up=0.0)
+    runtime, journal, cache, _c, clock = store_runtime(local, memory_bytes=budget, policy=policy)
+    slow = SlowBrokerChangelog(local, journal)
+    runtime.changelog = slow
+    bodies = [
+        pack(*(view(n * 400 + u, u, 10 + n * 400 + u) for u in range(start, start + 10)))
+        for n in range(2)
+        for start in range(0, 400, 10)
+    ]
+    held, above, early = await drive(runtime, slow, clock, bodies)
+    assert held > 0  # the broker's slowness held the stream
+    assert above <= pack_weight  # never more than one message's changes above
+    assert early >= 2  # checkpoints before the first interval ended
+    assert sorted(set(acked(journal))) == list(range(len(bodies)))  # every message acked
+    assert runtime.live.dirty == 0 and runtime.live.loads > 0  # stored; read back
+
+    whole_local = engine_for(tmp_path / "whole")
+    whole, j2, cache_whole, _c2, clock2 = store_runtime(whole_local, policy=policy)
+    whole_slow = SlowBrokerChangelog(whole_local, j2)
+    whole.changelog = whole_slow
+    held_whole, _, _ = await drive(whole, whole_slow, clock2, bodies)
+    assert held_whole == 0 and len(cache.vectors) == 400
+    assert cache.vectors == cache_whole.vectors
+    local.close()
+    whole_local.close()
 
 
 async def test_a_restarted_worker_reads_nothing_and_renews_from_the_index(tmp_path: Path) -> None:
