@@ -351,6 +351,10 @@ async def apply_load(
     # as the region app's housekeeping task runs it.
     tuner = GcTuner()
     next_tune = clock.now + 1.0
+    # SCALE_BESIDE=1: checkpoints run beside the stream, as in the worker (one turn
+    # of the event loop per message), instead of being awaited after each message:
+    # what issue 36's backpressure bounds (docs/benchmarks.md, "State at scale").
+    beside = bool(os.environ.get("SCALE_BESIDE"))
     for partition, packs in messages(users, events, int(now_s * 1000), seed):
         for body in packs:
             offsets[partition] += 1
@@ -363,7 +367,9 @@ async def apply_load(
                 tuner.tick()
                 next_tune = clock.now + 1.0
             task = runtime._checkpoint_task
-            if task is not None and not task.done():
+            if beside:
+                await asyncio.sleep(0)  # a turn of the agent's loop: the checkpoint's too
+            elif task is not None and not task.done():
                 await task
             applied_s += time.perf_counter() - started
             peak = max(peak, runtime.live.weight)
