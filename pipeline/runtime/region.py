@@ -347,6 +347,8 @@ class RegionRuntime:
             await self._until_store_writable()
         if self.live.over:
             await self._until_dirty_stored()
+            if self.store_error is not None:  # a checkpoint met a full disk meanwhile
+                await self._until_store_writable()
         self.ledger.received(delivery)
         if self.batch.opened_at is None:
             self._wake.set()  # a batch opens: its due time is the next duty

@@ -579,6 +579,34 @@ async def test_a_stream_faster_than_checkpoints_is_held_within_the_budget(
     whole_local.close()
 
 
+class FailingChangelog(StoreChangelog):
+    async def close(self, partitions: Mapping[int, Delivery]) -> None:
+        raise RuntimeError("the broker refused the checkpoint")
+
+
+async def test_a_held_stream_whose_checkpoint_fails_is_not_held_forever(tmp_path: Path) -> None:
+    """A checkpoint that fails for good (the worker stops: on_fatal) ends the wait of a
+    held message rather than leaving the worker hung; nothing is acked."""
+    local = engine_for(tmp_path)
+    policy = BatchPolicy(max_changes=1000, within_s=0.02, catch_up=0.0)
+    runtime, journal, _cache, _c, _clock = store_runtime(
+        local, memory_bytes=2 * (ENTITY_BYTES + ROW_BYTES), policy=policy
+    )
+    runtime.changelog = FailingChangelog(local, journal)
+    fatal: list[BaseException] = []
+
+    async def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+
+    runtime.on_fatal = on_fatal
+    await runtime.on_message(Delivery(0, 0), pack(*(view(u, u, 10 + u) for u in range(5))))
+    assert runtime.live.over
+    await asyncio.wait_for(runtime.on_message(Delivery(0, 1), pack(view(9, 9, 20))), 5)
+    assert [str(e) for e in fatal][:1] == ["the broker refused the checkpoint"]
+    assert acked(journal) == [] and runtime.live.dirty == 6  # nothing dropped
+    local.close()
+
+
 async def test_a_restarted_worker_reads_nothing_and_renews_from_the_index(tmp_path: Path) -> None:
     """Resumed on its folder: no state is read until needed, nothing is rewritten
     at once, and a vector whose schedule runs out is renewed from the index."""
