@@ -63,6 +63,7 @@ from edge_cache import (
 
 ROOT = Path(__file__).resolve().parent.parent
 N_ENTITIES = 1000
+WRITE_CHUNK = 10_000  # entities per write while filling the Redis
 N_FEATURES = 50
 SIZES = (1, 100)
 SLOTS = 4  # pipeline.features.SCHEDULE_SLOTS
@@ -303,10 +304,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--feast-python", help="interpreter of a venv with feast[redis] installed")
     parser.add_argument("--no-feast", action="store_true", help="skip the Feast comparison")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--entities",
+        type=int,
+        help=f"entities the Redis holds, reads drawn from all (default {N_ENTITIES}; "
+        "issue 36: a region's millions)",
+    )
     args = parser.parse_args(argv)
     seconds, min_calls, warmup = (0.05, 20, 5) if args.smoke else (args.seconds, 200, 200)
     rounds = 2 if args.smoke else 8
-    n_entities = 200 if args.smoke else N_ENTITIES
+    n_entities = args.entities or (200 if args.smoke else N_ENTITIES)
 
     rng = np.random.default_rng(42)
     data = rng.standard_normal((n_entities, N_FEATURES)).astype(np.float32)
@@ -322,18 +329,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         region = RegionSettings(name="bench", redis_url=server.url, residency_zone="local")
         with FeatureWriter.from_region(region, [schema, timed]) as writer:
             now = time.time()
-            writer.write(
-                [
-                    Upsert(
-                        "user",
-                        i,
-                        dict(zip(schema.names, row.tolist(), strict=True)),
-                        Position(1),
-                        now,
-                    )
-                    for i, row in enumerate(data)
-                ]
-            )
+            for start in range(0, n_entities, WRITE_CHUNK):  # bounded memory at millions
+                writer.write(
+                    [
+                        Upsert(
+                            "user",
+                            i,
+                            dict(zip(schema.names, row.tolist(), strict=True)),
+                            Position(1),
+                            now,
+                        )
+                        for i, row in enumerate(data[start : start + WRITE_CHUNK], start)
+                    ]
+                )
             # Scheduled values: odd entities read their first patch (in force since a
             # minute ago), even ones the vector written; every slot is used.
             now_us = int(now * 1e6)
@@ -341,36 +349,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             def vector(row: np.ndarray) -> dict[str, float]:
                 return dict(zip(timed.names, row.tolist(), strict=True))
 
-            writer.write(
-                [
-                    Upsert(
-                        "timed",
-                        i,
-                        vector(row - 1),
-                        Position(1),
-                        now,
-                        schedule=Schedule(
-                            tuple(
-                                (
-                                    now_us
-                                    + (
-                                        k * 3_600_000_000
-                                        if k
-                                        else (-1 if i % 2 else 1) * 60_000_000
-                                    ),
-                                    vector(row if k == 0 else row + k),
-                                )
-                                for k in range(SLOTS)
+            for start in range(0, n_entities, WRITE_CHUNK):
+                writer.write(
+                    [
+                        Upsert(
+                            "timed",
+                            i,
+                            vector(row - 1),
+                            Position(1),
+                            now,
+                            schedule=Schedule(
+                                tuple(
+                                    (
+                                        now_us
+                                        + (
+                                            k * 3_600_000_000
+                                            if k
+                                            else (-1 if i % 2 else 1) * 60_000_000
+                                        ),
+                                        vector(row if k == 0 else row + k),
+                                    )
+                                    for k in range(SLOTS)
+                                ),
+                                now_us + SLOTS * 3_600_000_000,
                             ),
-                            now_us + SLOTS * 3_600_000_000,
-                        ),
-                    )
-                    for i, row in enumerate(data)
-                ]
-            )
+                        )
+                        for i, row in enumerate(data[start : start + WRITE_CHUNK], start)
+                    ]
+                )
             expected_timed = np.where((np.arange(n_entities) % 2 == 1)[:, None], data, data - 1)
         plain = redis.Redis.from_url(server.url)
-        plain.mset({f"plain:{i}": row.tobytes() for i, row in enumerate(data)})
+        for start in range(0, n_entities, WRITE_CHUNK):
+            chunk = enumerate(data[start : start + WRITE_CHUNK], start)
+            plain.mset({f"plain:{i}": row.tobytes() for i, row in chunk})
 
         def plain_read(ids: list[int]) -> np.ndarray:
             if len(ids) == 1:

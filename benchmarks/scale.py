@@ -60,16 +60,19 @@ import functools
 import gc
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import platform
 import random
 import resource
 import shutil
+import signal
 import struct
 import sys
 import tempfile
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -183,14 +186,26 @@ class DiskChangelog:
     checkpoint's close, the partition's records to its database with the offset of
     the last (offsets counted per partition, from 0)."""
 
-    def __init__(self, local: LocalStates, path: Path) -> None:
+    def __init__(
+        self, local: LocalStates, path: Path, offsets: Mapping[int, int] | None = None
+    ) -> None:
         self.local, self.path = local, path
         self.log = open(path, "ab")  # noqa: SIM115 - open as long as the sink
+        # Where each checkpoint's records begin (the broker's offset index): a
+        # restart reads a partition's tail from there, not the file from its start.
+        self.index = open(path.with_suffix(".idx"), "ab")  # noqa: SIM115
         self.pending: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
-        self.offsets: dict[int, int] = dict.fromkeys(range(PARTITIONS), -1)
+        self.offsets: dict[int, int] = dict(offsets or dict.fromkeys(range(PARTITIONS), -1))
         self.seconds = 0.0
         self.records = 0
         self.bytes = 0
+        self.closes = 0
+        self._mark()
+
+    def _mark(self) -> None:
+        mark = {"pos": self.log.tell(), "offsets": self.offsets}
+        self.index.write(orjson.dumps(mark, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+        self.index.flush()
 
     def send(self, partition: int, key: str, value: bytes | None) -> None:
         raw_key = key.encode()
@@ -217,19 +232,88 @@ class DiskChangelog:
         for partition, records in pending.items():
             self.offsets[partition] += len(records)
             self.local.records_applied(partition, records, self.offsets[partition])
+        self._mark()
+        self.closes += 1
         self.seconds += time.perf_counter() - started
 
     def finish(self) -> None:
         self.log.close()
+        self.index.close()
 
 
-def read_frames(path: Path) -> Iterator[tuple[int, bytes, bytes | None]]:
-    """The records of a DiskChangelog's file: (partition, key, value or None)."""
+def read_frames(path: Path, start: int = 0) -> Iterator[tuple[int, bytes, bytes | None]]:
+    """The records of a DiskChangelog's file from byte ``start``: (partition, key, value
+    or None); a record cut short at the end (a writer killed) ends it."""
     with open(path, "rb") as log:
-        while header := log.read(FRAME.size):
+        log.seek(start)
+        while len(header := log.read(FRAME.size)) == FRAME.size:
             partition, key_len, value_len = FRAME.unpack(header)
             key = log.read(key_len)
-            yield partition, key, None if value_len == NONE else log.read(value_len)
+            value = None if value_len == NONE else log.read(value_len)
+            if len(key) < key_len or (value is not None and len(value) < value_len):
+                return
+            yield partition, key, value
+
+
+def read_tail(path: Path, local: LocalStates) -> tuple[int, dict[int, int]]:
+    """Bring each partition's database up to the changelog's end, as a restarted
+    worker does: the records after its saved offset, read from the last checkpoint
+    mark (the file's offset index) at or before it; a record cut short at the end
+    (never acknowledged) is cut off. Returns (records applied, each partition's
+    last offset)."""
+    saved = {p: local.partition(p).offset() for p in range(PARTITIONS)}
+    floor = {p: -1 if o is None else o for p, o in saved.items()}
+    start, offsets = 0, dict.fromkeys(range(PARTITIONS), -1)
+    with open(path.with_suffix(".idx"), "rb") as index:
+        for line in index:
+            if not line.endswith(b"\n"):
+                break
+            mark = orjson.loads(line)
+            found = {int(p): o for p, o in mark["offsets"].items()}
+            if all(found[p] <= floor[p] for p in range(PARTITIONS)):
+                start, offsets = mark["pos"], found
+    batches: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
+    applied, end = 0, start
+    for partition, key, value in read_frames(path, start):
+        end += FRAME.size + len(key) + (len(value) if value is not None else 0)
+        offsets[partition] += 1
+        if offsets[partition] <= floor[partition]:
+            continue
+        applied += 1
+        batch = batches[partition]
+        batch.append((key, value))
+        if len(batch) >= REBUILD_BATCH:
+            local.records_applied(partition, batch, offsets[partition])
+            batches[partition] = []
+    for partition, batch in batches.items():
+        if batch:
+            local.records_applied(partition, batch, offsets[partition])
+    with open(path, "r+b") as log:
+        log.truncate(end)
+    return applied, offsets
+
+
+class FileAcker:
+    """Acker that commits each message's offset to a file (the consumer group's
+    committed offsets, read by the worker restarted after a kill)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a")  # noqa: SIM115 - open as long as the acker
+
+    async def ack(self, delivery: Delivery) -> None:
+        self.file.write(f"{delivery.partition} {delivery.offset}\n")
+        self.file.flush()
+
+
+def read_acks(path: Path) -> dict[int, int]:
+    acked: dict[int, int] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                partition, offset = int(parts[0]), int(parts[1])
+                acked[partition] = max(offset, acked.get(partition, -1))
+    return acked
 
 
 class Acker:
@@ -260,36 +344,114 @@ def event_row(event_id: int, user: int, item: int, at: int, rng: random.Random) 
     }
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a well-spread 64-bit hash of ``x`` (the load's
+    draws, so that any event is computed alone: the bulk build needs each
+    entity's events without generating everyone's)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class Load:
+    """The load: ``users`` users with ``events`` events each over the day before
+    ``now_ms``; the r-th event of every user falls in the r-th slice of the day, and
+    round r gives every user its r-th event (a stream interleaves its entities).
+    Every event two regional changes: its user's and its item's (one item per 10
+    users). Each event is a function of (user, round), and each item's events are
+    found without the others' (its users in a round are a residue class of a
+    permutation of the users), so that the bulk build computes an entity's events
+    alone, the very ones the stream carries."""
+
+    def __init__(self, users: int, events: int, now_ms: int, seed: int) -> None:
+        self.users, self.events, self.now_ms, self.seed = users, events, now_ms, seed
+        self.items = max(1, users // 10)
+        self.slice_ms = DAY_MS // events
+        step = 0x9E3779B1
+        while math.gcd(step, users) != 1:
+            step += 2
+        self.step, self.inverse = step, pow(step, -1, users) if users > 1 else 0
+
+    def item_of(self, user: int, r: int) -> int:
+        return 1 + (((user - 1) * self.step) % self.users + r) % self.items
+
+    def users_of(self, item: int, r: int) -> list[int]:
+        """The users whose r-th event is on ``item``, in order."""
+        first = (item - 1 - r) % self.items
+        found = [1 + (w * self.inverse) % self.users for w in range(first, self.users, self.items)]
+        found.sort()
+        return found
+
+    def event(self, user: int, r: int) -> tuple[RegionalChange, RegionalChange]:
+        """The user's r-th event: its user's change and its item's."""
+        event_id = r * self.users + user
+        draw = _mix((self.seed << 48) ^ event_id)
+        at = self.now_ms - DAY_MS + r * self.slice_ms + draw % self.slice_ms
+        item = self.item_of(user, r)
+        row = {
+            "event_id": event_id,
+            "user_id": user,
+            "item_id": item,
+            "category_id": item % 20,
+            "price": round(1 + (draw >> 24) % 19_901 / 100, 2),
+            "home_region": "eu-west",
+            "kind": KINDS[(draw >> 48) % len(KINDS)],
+            "occurred_at": at * 1000,
+        }
+        lsn, pk = 1_000 + event_id, str(event_id)
+        return (
+            RegionalChange("public.events", "c", lsn, 0, at, "user", user, pk, row),
+            RegionalChange("public.events", "c", lsn, 1, at, "item", item, pk, row),
+        )
+
+    def stream(self) -> Iterator[RegionalChange]:
+        for r in range(self.events):
+            for user in range(1, self.users + 1):
+                yield from self.event(user, r)
+
+    def entity_keys(self) -> Iterator[str]:
+        """Every entity's key: the users, then the items."""
+        for user in range(1, self.users + 1):
+            yield f"user:{user}"
+        for item in range(1, self.items + 1):
+            yield f"item:{item}"
+
+    def changes_of(self, key: str) -> list[RegionalChange]:
+        """The entity's changes in the stream, in stream order."""
+        entity, _, raw = key.partition(":")
+        number = int(raw)
+        if entity == "user":
+            return [self.event(number, r)[0] for r in range(self.events)]
+        return [
+            self.event(user, r)[1] for r in range(self.events) for user in self.users_of(number, r)
+        ]
+
+
 def changes(users: int, events: int, now_ms: int, seed: int) -> Iterator[RegionalChange]:
-    """The load: round r gives every user its r-th event, at a time inside the r-th
-    slice of the last day (a stream interleaves its entities)."""
-    rng = random.Random(seed)
-    items = max(1, users // 10)
-    slice_ms = DAY_MS // events
-    lsn = 1_000
-    event_id = 0
-    for r in range(events):
-        base = now_ms - DAY_MS + r * slice_ms
-        for user in range(1, users + 1):
-            event_id += 1
-            lsn += 1
-            at = base + rng.randrange(slice_ms)
-            item = rng.randrange(1, items + 1)
-            row = event_row(event_id, user, item, at, rng)
-            pk = str(event_id)
-            yield RegionalChange("public.events", "c", lsn, 0, at, "user", user, pk, row)
-            yield RegionalChange("public.events", "c", lsn, 1, at, "item", item, pk, row)
+    """The load's changes in stream order (see :class:`Load`)."""
+    return Load(users, events, now_ms, seed).stream()
 
 
 def partition_of(key: str) -> int:
-    return hash(key) % PARTITIONS
+    """The router's key partitioning (a stable hash: the bulk build, the worker it
+    kills and the one restarted after it are other processes)."""
+    return zlib.crc32(key.encode()) % PARTITIONS
 
 
 def messages(users: int, events: int, now_ms: int, seed: int) -> Iterator[tuple[int, list[bytes]]]:
+    """The load's (partition, packs), see :func:`pack_changes`."""
+    return pack_changes(changes(users, events, now_ms, seed))
+
+
+def pack_changes(stream: Iterable[RegionalChange]) -> Iterator[tuple[int, list[bytes]]]:
     """(partition, packs) by CHANGES_PER_MESSAGE changes, per partition as the router's
     key partitioning sends them."""
     pending: dict[int, list[bytes]] = {p: [] for p in range(PARTITIONS)}
-    for change in changes(users, events, now_ms, seed):
+    for change in stream:
         partition = partition_of(change.key or "")
         bodies = pending[partition]
         bodies.append(change.encode())
@@ -317,6 +479,7 @@ def make_runtime(
     checkpoint_s: float,
     store: LocalStates | None = None,
     memory_bytes: int | None = None,
+    acker: Acker | FileAcker | None = None,
 ) -> tuple[RegionRuntime, Cache]:
     cache = Cache()
     runtime = RegionRuntime(
@@ -327,7 +490,7 @@ def make_runtime(
         cache=cache,
         changelog=changelog,
         dead_letters=DeadLetters(),
-        acker=Acker(),
+        acker=acker or Acker(),
         metrics=PipelineMetrics.create(CollectorRegistry()),
         policy=BatchPolicy(5000, 0.02, 2.0),
         checkpoint_interval_s=checkpoint_s,
@@ -344,7 +507,21 @@ async def apply_load(
 ) -> tuple[float, float]:
     """Apply the load through ``runtime``, then write and checkpoint what is left:
     (seconds, the peak estimated memory of the states in memory, MB)."""
-    offsets = dict.fromkeys(range(PARTITIONS), 0)
+    stream = messages(users, events, int(now_s * 1000), seed)
+    return await apply_messages(runtime, clock, stream, dict.fromkeys(range(PARTITIONS), 0))
+
+
+async def apply_messages(
+    runtime: RegionRuntime,
+    clock: Clock,
+    stream: Iterable[tuple[int, list[bytes]]],
+    offsets: dict[int, int],
+    skip: Mapping[int, int] | None = None,
+) -> tuple[float, float]:
+    """Apply ``stream`` through ``runtime`` (message offsets per partition counted on
+    from ``offsets``, which is updated; those up to ``skip``'s are not applied: a
+    restarted worker's committed offsets), then write and checkpoint what is left:
+    (seconds, the peak estimated memory of the states in memory, MB)."""
     applied_s = 0.0
     peak = 0
     # The worker's collector tuning (pipeline.gctune), once per second of its clock,
@@ -355,9 +532,11 @@ async def apply_load(
     # of the event loop per message), instead of being awaited after each message:
     # what issue 36's backpressure bounds (docs/benchmarks.md, "State at scale").
     beside = bool(os.environ.get("SCALE_BESIDE"))
-    for partition, packs in messages(users, events, int(now_s * 1000), seed):
+    for partition, packs in stream:
         for body in packs:
             offsets[partition] += 1
+            if skip is not None and offsets[partition] <= skip.get(partition, -1):
+                continue
             delivery = Delivery(partition, offsets[partition])
             started = time.perf_counter()
             await runtime.on_message(delivery, body)
@@ -374,6 +553,13 @@ async def apply_load(
             applied_s += time.perf_counter() - started
             peak = max(peak, runtime.live.weight)
     started = time.perf_counter()
+    await settle(runtime, clock)
+    applied_s += time.perf_counter() - started
+    return applied_s, max(peak, runtime.live.weight) / 1e6
+
+
+async def settle(runtime: RegionRuntime, clock: Clock) -> None:
+    """Write the open batch and checkpoint until every state is in the changelog."""
     await runtime.flush(lane=True)
     # Until every state is in the changelog (on disk, the bookkeeping of the vectors
     # just written takes a checkpoint of its own).
@@ -384,8 +570,6 @@ async def apply_load(
             await runtime._checkpoint_task
         if not runtime.ledger.dirty and not runtime.ledger.ready:
             break
-    applied_s += time.perf_counter() - started
-    return applied_s, max(peak, runtime.live.weight) / 1e6
 
 
 def entity_hash(engine: FeatureEngine, key: str, state: EntityState, at_ms: int) -> int:
@@ -629,6 +813,8 @@ async def _load_disk(
         engine, stored_states(local, live.get), at_ms, frozenset({fresh})
     )
     serialized = store_record_bytes(local)
+    # What the store holds (the bulk build's is compared with it: the same states).
+    states = states_digest(engine, stored_states(local)) if users <= DIGEST_USERS else None
     checkpoint_secs, records, log_bytes = changelog.seconds, changelog.records, changelog.bytes
     local.close()  # the folder's lock: the restarted worker takes the same folder
     store_bytes = folder_bytes(folder / "state")
@@ -654,6 +840,7 @@ async def _load_disk(
         "store_open_mb": round(open_bytes / 1e6, 1),
         "store_mb": round(store_bytes / 1e6, 1),
         "store_ratio": round(store_bytes / max(serialized, 1), 2),
+        "state_digest": states,
         **recovery,
         **rebuild,
     }
@@ -751,6 +938,382 @@ def rebuild_disk(folder: Path, engine: FeatureEngine, at_ms: int, digest: int) -
     }
 
 
+# -- a bulk-built state (large sizes) ----------------------------------------------------------
+
+BULK_BATCH = 50_000  # records per checkpoint of the bulk build
+DIGEST_USERS = 100_000  # up to this size, the bulk state's full digest (else a sample)
+SAMPLE = 200  # entities recomputed from their events, checked against the store
+NEW_EVENTS = 50_000  # per access pattern over the big state (two changes each)
+PATTERNS = ("round", "uniform", "hot")
+HOT_SHARE, HOT_EVENTS = 0.1, 0.9  # "hot": 90% of events on 10% of the users and items
+KILL_AFTER = 2  # checkpoints the killed worker completes before its kill -9
+NEW_LSN = 10**11  # new changes: after every change of the load
+KILL_LSN = 9 * NEW_LSN  # the killed worker's: after the patterns'
+
+
+def state_hash(engine: FeatureEngine, key: str, state: EntityState) -> int:
+    """A digest of what a state holds: its position and the rows a feature can still
+    read (the rows past every window's retention that the amortised pruning had not
+    cut yet, ``marks``, its bookkeeping, and ``until``, its vector's schedule, left
+    out: they depend on when checkpoints and writes fell)."""
+    kept = {k: state.get(k) for k in ("lsn", "rev", "ts", "gone", "v", "wrev")}
+    cut: dict[str, Any] = {"rows": {t: dict(r) for t, r in state["rows"].items()}}
+    engine.engine(key.split(":", 1)[0]).prune(cut)  # no marks: every cut made now
+    kept["rows"] = cut["rows"]
+    raw = key.encode() + orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest())
+
+
+def states_digest(engine: FeatureEngine, states: Iterable[tuple[str, EntityState | None]]) -> int:
+    total = 0
+    for key, state in states:
+        if state is not None:
+            total = (total + state_hash(engine, key, state)) % 2**64
+    return total
+
+
+def computed_state(engine: FeatureEngine, key: str, stream: Iterable[RegionalChange]) -> Any:
+    """The entity's state from its changes, applied by the feature engine alone."""
+    entity = engine.engine(key.split(":", 1)[0])
+    state = None
+    for change in stream:
+        state, _changed = entity.apply(state, change)
+    return state
+
+
+async def bulk_build(folder: Path, load: Load, engine: FeatureEngine) -> dict[str, Any]:
+    """Write the load's final states straight to a worker's folder and changelog:
+    each entity's changes applied by the worker's feature engine, its vector
+    written as the worker writes it (``wrev``/``until`` in its record: the cache
+    holds it), pruned and stored as a checkpoint stores it (``store_state`` through
+    ``ChangelogWriter`` into DiskChangelog: the changelog file, then the partition's
+    database with the offset of the last record). No batching, packs, cache or
+    ledger: what makes it fast is that each state is built once, alone."""
+    local = open_states(folder / "state", engine)
+    changelog = DiskChangelog(local, folder / "changelog.log")
+    now_ms = load.now_ms
+    started = time.perf_counter()
+    pending: dict[int, Delivery] = {}
+    for key in load.entity_keys():
+        entity = engine.engine(key.split(":", 1)[0])
+        state = computed_state(engine, key, load.changes_of(key))
+        if state is None:
+            continue
+        op = entity.write_op(int(key.split(":", 1)[1]), state, now_ms)
+        schedule = op.schedule if isinstance(op, Upsert) else None
+        state["wrev"] = op.position.seq  # as RegionRuntime._schedule_renewals
+        state["until"] = schedule.until_us if schedule is not None else None
+        entity.prune(state)
+        delivery = Delivery(partition_of(key), 0)
+        changelog.store(key, state, delivery)
+        pending[delivery.partition] = delivery
+        if sum(len(r) for r in changelog.pending.values()) >= BULK_BATCH:
+            await changelog.close(pending)
+            pending = {}
+    if pending:
+        await changelog.close(pending)
+    changelog.finish()
+    build_s = time.perf_counter() - started
+    local.close()
+    return {
+        "build_s": round(build_s, 1),
+        "build_changes_per_s": round(2 * load.users * load.events / build_s),
+        "build_records_per_s": round(changelog.records / build_s),
+        "changelog_records": changelog.records,
+        "serialized_mb": round(changelog.bytes / 1e6, 1),
+    }
+
+
+def new_changes(load: Load, pattern: str, count: int, lsn: int) -> list[RegionalChange]:
+    """``count`` new events over the built state, two changes each, at times in the
+    last minute: ``round``: users in order (every access a new user: the load's
+    order, hostile to a cache), ``uniform``: users and items at random, ``hot``:
+    HOT_EVENTS of them on the first HOT_SHARE of users and items."""
+    rng = random.Random(f"{load.seed}-{pattern}-{lsn}")
+    found: list[RegionalChange] = []
+
+    def pick(n: int) -> int:
+        if pattern == "hot":
+            hot = max(1, int(n * HOT_SHARE))
+            return rng.randrange(1, hot + 1) if rng.random() < HOT_EVENTS else rng.randint(1, n)
+        return rng.randint(1, n)
+
+    for i in range(count):
+        user = 1 + i % load.users if pattern == "round" else pick(load.users)
+        item = pick(load.items)
+        at = load.now_ms - rng.randrange(60_000)
+        event_id = 10**10 + lsn + i
+        row = event_row(event_id, user, item, at, rng)
+        pk = str(event_id)
+        found.append(RegionalChange("public.events", "c", lsn + i, 0, at, "user", user, pk, row))
+        found.append(RegionalChange("public.events", "c", lsn + i, 1, at, "item", item, pk, row))
+    return found
+
+
+def pattern_count(users: int) -> int:
+    return NEW_EVENTS if users > 1_000 else 1_000
+
+
+def pattern_changes(load: Load, n: int) -> list[RegionalChange]:
+    return new_changes(load, PATTERNS[n], pattern_count(load.users), NEW_LSN * (n + 2))
+
+
+def everything_of(
+    load: Load, keys: Sequence[str], stream: Sequence[tuple[int, list[bytes]]]
+) -> dict[str, list[RegionalChange]]:
+    """Every change of each of ``keys`` in the run: the load's, the patterns', and the
+    killed worker's ``stream``, in order (for their recomputation)."""
+    found = {key: load.changes_of(key) for key in keys}
+    later = [c for n in range(len(PATTERNS)) for c in pattern_changes(load, n)]
+    later += [
+        RegionalChange.from_wire(c)
+        for _p, packs in stream
+        for body in packs
+        for c in orjson.loads(body)
+    ]
+    for change in later:
+        if change.key in found:
+            found[change.key].append(change)
+    return found
+
+
+def store_offsets(local: LocalStates) -> dict[int, int]:
+    found = {p: local.partition(p).offset() for p in range(PARTITIONS)}
+    return {p: -1 if o is None else o for p, o in found.items()}
+
+
+async def measure_patterns(
+    folder: Path, load: Load, engine: FeatureEngine, budget: int, checkpoint_s: float, count: int
+) -> dict[str, Any]:
+    """A worker on the built folder applies ``count`` new events of each pattern
+    (the worker's whole apply path: packs, batches, vectors, checkpoints, the
+    states' cache): changes/s of each; its RSS after them."""
+    clock = Clock()
+    now_s = load.now_ms / 1000
+    gc.collect()
+    base = rss_mb()
+    local = open_states(folder / "state", engine)
+    changelog = DiskChangelog(local, folder / "changelog.log", store_offsets(local))
+    runtime, _cache = make_runtime(
+        clock, now_s, changelog, engine, checkpoint_s, store=local, memory_bytes=budget
+    )
+    runtime.resumed(list(range(PARTITIONS)))
+    offsets = dict.fromkeys(range(PARTITIONS), 0)
+    found: dict[str, Any] = {}
+    peak_cache = 0.0
+    for n, pattern in enumerate(PATTERNS):
+        stream = list(pack_changes(pattern_changes(load, n)))
+        loads = runtime.live.loads
+        seconds, peak = await apply_messages(runtime, clock, stream, offsets)
+        found[f"{pattern}_changes_per_s"] = round(2 * count / seconds)
+        found[f"{pattern}_loads"] = runtime.live.loads - loads
+        peak_cache = max(peak_cache, peak)
+    gc.collect()
+    found.update(
+        rss_mb=round(rss_mb()),
+        state_mb=round(rss_mb() - base),
+        peak_cache_mb=round(peak_cache, 1),
+        dead_lettered=runtime.dead_letters.sent,  # type: ignore[attr-defined]
+    )
+    changelog.finish()
+    local.close()
+    return found
+
+
+def killed_worker(
+    folder: str, load_args: tuple[int, int, int, int], budget: int, checkpoint_s: float, out: Any
+) -> None:
+    """The worker killed with kill -9 during load (a process of its own)."""
+    asyncio.run(_killed_worker(Path(folder), Load(*load_args), budget, checkpoint_s, out))
+
+
+def kill_stream(load: Load) -> list[tuple[int, list[bytes]]]:
+    count = max(NEW_EVENTS // 2, 1_000) if load.users > 1_000 else 3_000
+    return list(pack_changes(new_changes(load, "uniform", count, KILL_LSN)))
+
+
+async def _killed_worker(
+    folder: Path, load: Load, budget: int, checkpoint_s: float, out: Any
+) -> None:
+    clock = Clock()
+    engine = FeatureEngine(settings().entities)
+    local = open_states(folder / "state", engine)
+    changelog = DiskChangelog(local, folder / "changelog.log", store_offsets(local))
+    runtime, _cache = make_runtime(
+        clock,
+        load.now_ms / 1000,
+        changelog,
+        engine,
+        checkpoint_s,
+        store=local,
+        memory_bytes=budget,
+        acker=FileAcker(folder / "acked"),
+    )
+    runtime.resumed(list(range(PARTITIONS)))
+    offsets = dict.fromkeys(range(PARTITIONS), 0)
+    told = False
+    for partition, packs in kill_stream(load):
+        for body in packs:
+            offsets[partition] += 1
+            await runtime.on_message(Delivery(partition, offsets[partition]), body)
+            clock.now += MESSAGE_S
+            await runtime.tick()
+            task = runtime._checkpoint_task
+            if task is not None and not task.done():
+                await task
+            if not told and changelog.closes >= KILL_AFTER:
+                out.send("loading")  # kill me now, in the middle of the load
+                told = True
+    out.send("done")
+    await asyncio.sleep(3600)  # killed
+
+
+async def restart_after_kill(
+    folder: Path, load: Load, engine: FeatureEngine, budget: int, checkpoint_s: float
+) -> dict[str, Any]:
+    """A worker killed (kill -9) during load, then restarted on its folder: from
+    opening it (the changelog's tail after the saved offsets applied) to the first
+    message after the committed offsets applied and its vectors written (fresh
+    writes served); then the rest of the stream, and the touched entities checked
+    against their recomputation (0 lost, 0 counted twice)."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    load_args = (load.users, load.events, load.now_ms, load.seed)
+    process = context.Process(
+        target=killed_worker, args=(str(folder), load_args, budget, checkpoint_s, send)
+    )
+    process.start()
+    send.close()
+    try:
+        during = receive.recv() == "loading"
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"the killed worker died first (exit {process.exitcode})") from None
+    os.kill(process.pid or 0, signal.SIGKILL)
+    process.join()
+    stream = kill_stream(load)
+    clock = Clock()
+    gc.collect()
+    started = time.perf_counter()
+    local = open_states(folder / "state", engine)
+    tail, ends = read_tail(folder / "changelog.log", local)
+    tail_s = time.perf_counter() - started
+    changelog = DiskChangelog(local, folder / "changelog.log", ends)
+    runtime, cache = make_runtime(
+        clock, load.now_ms / 1000, changelog, engine, checkpoint_s, store=local, memory_bytes=budget
+    )
+    runtime.resumed(list(range(PARTITIONS)))
+    acked = read_acks(folder / "acked")
+    offsets = dict.fromkeys(range(PARTITIONS), 0)
+    first: tuple[int, int, bytes] | None = None
+    for partition, packs in stream:  # the first message after the committed offsets
+        for body in packs:
+            offsets[partition] += 1
+            if first is None and offsets[partition] > acked.get(partition, 0):
+                first = (partition, offsets[partition], body)
+    skip = dict(acked)
+    if first is not None:
+        await runtime.on_message(Delivery(first[0], first[1]), first[2])
+        await runtime.flush()
+        skip[first[0]] = first[1]
+    recovery_s = time.perf_counter() - started
+    served = cache.ops > 0
+    await apply_messages(runtime, clock, stream, dict.fromkeys(range(PARTITIONS), 0), skip)
+    keys = sorted(
+        {
+            f"{c['e']}:{c['id']}"
+            for _p, packs in stream[:: max(1, len(stream) // 20)]
+            for body in packs
+            for c in orjson.loads(body)
+        }
+    )[:SAMPLE]
+    equal = all(
+        entity_hash(engine, key, runtime.live.get(key) or EntityState(), load.now_ms)
+        == entity_hash(engine, key, computed_state(engine, key, stream_of), load.now_ms)
+        for key, stream_of in everything_of(load, keys, stream).items()
+    )
+    changelog.finish()
+    local.close()
+    return {
+        "killed_during_load": during,
+        "kill_acked_messages": sum(acked.values()),
+        "kill_tail_records": tail,
+        "kill_tail_s": round(tail_s, 3),
+        "kill_recovery_s": round(recovery_s, 3),
+        "kill_fresh_served": served,
+        "kill_checked": len(keys),
+        "kill_equal": equal,
+    }
+
+
+async def load_bulk(
+    users: int, events: int, seed: int, now_s: float, checkpoint_s: float, memory_mb: float
+) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="scale-bulk-", dir=os.environ.get("SCALE_DIR")))
+    try:
+        return await _load_bulk(folder, users, events, seed, now_s, checkpoint_s, memory_mb)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _load_bulk(
+    folder: Path,
+    users: int,
+    events: int,
+    seed: int,
+    now_s: float,
+    checkpoint_s: float,
+    memory_mb: float,
+) -> dict[str, Any]:
+    """Build the state in bulk, check it, then measure a worker over it: the access
+    patterns' changes/s and its RSS, and a kill -9 during load and its restart."""
+    load = Load(users, events, int(now_s * 1000), seed)
+    engine = FeatureEngine(settings().entities)
+    budget = int(memory_mb * 2**20)
+    built = await bulk_build(folder, load, engine)
+    store_bytes = folder_bytes(folder / "state")
+    # A restart on the built folder: its states are the engine's for the load's
+    # changes (the full digest where cheap, else a sample recomputed).
+    local = open_states(folder / "state", engine)
+    result: dict[str, Any] = {"mode": "bulk", "users": users, "events_per_user": events}
+    if users <= DIGEST_USERS:
+        stored = list(stored_states(local))
+        result["digest"], _w, result["entities"], result["rows"] = store_digest(
+            engine, stored, load.now_ms
+        )
+        result["state_digest"] = states_digest(engine, stored)
+        del stored
+    if users <= DIGEST_USERS:
+        # The saved offsets are the changelog's real positions (counted afresh).
+        last = dict.fromkeys(range(PARTITIONS), -1)
+        for partition, _key, _value in read_frames(folder / "changelog.log"):
+            last[partition] += 1
+        result["offsets_match"] = last == store_offsets(local)
+    step = max(1, (users + load.items) // SAMPLE)
+    sample = [k for n, k in enumerate(load.entity_keys()) if n % step == 0]
+    result["sample_equal"] = all(
+        entity_hash(engine, key, local.load(key, partition_of(key)) or EntityState(), load.now_ms)
+        == entity_hash(engine, key, computed_state(engine, key, load.changes_of(key)), load.now_ms)
+        for key in sample
+    )
+    result["sample"] = len(sample)
+    local.close()
+    serialized = built["serialized_mb"] * 1e6
+    result.update(
+        built,
+        memory_mb=memory_mb,
+        budget_bytes=budget,
+        changes=2 * users * events,
+        store_mb=round(store_bytes / 1e6, 1),
+        store_ratio=round(store_bytes / max(serialized, 1), 2),
+    )
+    count = pattern_count(users)
+    result["new_changes"] = 2 * count
+    result.update(await measure_patterns(folder, load, engine, budget, checkpoint_s, count))
+    result.update(await restart_after_kill(folder, load, engine, budget, checkpoint_s))
+    return result
+
+
 # -- the runs ---------------------------------------------------------------------------------
 
 
@@ -767,6 +1330,8 @@ def child(
 ) -> None:
     if mode == "memory":
         result = asyncio.run(load_memory(users, events, seed, now_s, checkpoint_s))
+    elif mode == "bulk":
+        result = asyncio.run(load_bulk(users, events, seed, now_s, checkpoint_s, memory_mb))
     else:
         result = asyncio.run(
             load_disk(users, events, seed, now_s, checkpoint_s, memory_mb, profile)
@@ -851,6 +1416,44 @@ RATIO_COLUMNS = (
 )
 
 
+BULK_COLUMNS = (
+    ("users", "users"),
+    ("changes", "changes built"),
+    ("build_s", "build s"),
+    ("build_changes_per_s", "build changes/s"),
+    ("serialized_mb", "changelog MB"),
+    ("store_mb", "store MB"),
+    ("store_ratio", "store/changelog"),
+    ("round_changes_per_s", "round changes/s"),
+    ("uniform_changes_per_s", "uniform changes/s"),
+    ("hot_changes_per_s", "hot changes/s"),
+    ("rss_mb", "RSS MB"),
+    ("peak_cache_mb", "peak cache MB"),
+    ("kill_tail_records", "tail records"),
+    ("kill_recovery_s", "kill -9 to fresh write s"),
+    ("kill_equal", "exact after kill"),
+    ("sample_equal", "built = recomputed"),
+)
+
+BULK_RATIOS = (
+    ("round_changes_per_s", "round changes/s"),
+    ("uniform_changes_per_s", "uniform changes/s"),
+    ("hot_changes_per_s", "hot changes/s"),
+    ("rss_mb", "RSS"),
+    ("kill_recovery_s", "kill -9 to fresh write"),
+)
+
+
+def print_bulk_ratios(bulk: list[dict[str, Any]]) -> None:
+    """Each bulk-built size's figures over the smallest's (one run: one machine)."""
+    base = min(bulk, key=lambda r: r["users"])
+    print("| users | " + " | ".join(f"{t} / {base['users']:,}'s" for _, t in BULK_RATIOS) + " |")
+    print("|" + "---|" * (len(BULK_RATIOS) + 1))
+    for result in bulk:
+        cells = [_ratio(result[key], base[key]) for key, _ in BULK_RATIOS]
+        print(f"| {result['users']:,} | " + " | ".join(cells) + " |")
+
+
 def _cell(value: Any) -> str:
     return str(value) if isinstance(value, bool | str) else f"{value:,}"
 
@@ -888,6 +1491,22 @@ def _pairs(results: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str
     ]
 
 
+BULK_LINES = {  # panel -> (figure, label, style) of the bulk-built runs
+    "rss_mb": (("rss_mb", "bulk-built state on disk: after the new changes", "-."),),
+    "changes_per_s": tuple(
+        (f"{p}_changes_per_s", f"bulk-built state on disk: new changes, {p} access", style)
+        for p, style in zip(PATTERNS, (":", "-.", "--"), strict=True)
+    ),
+    "recovery_s": (("kill_recovery_s", "bulk-built state on disk: kill -9 during load", "-."),),
+}
+
+
+def _plot_bulk(axis: Any, key: str, bulk: list[dict[str, Any]]) -> None:
+    users = [r["users"] for r in bulk]
+    for figure, label, style in BULK_LINES.get(key, ()) if bulk else ():
+        axis.plot(users, [r[figure] for r in bulk], style, marker="s", label=label)
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """Memory, changes/s, checkpoint and recovery time against users (log scale), a
     line per mode."""
@@ -896,7 +1515,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 2, figsize=(10, 7))
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     panels = (
         ("rss_mb", "worker RSS (MB)"),
         ("changes_per_s", "apply path (changes/s, one core)"),
@@ -927,6 +1546,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                     marker="x",
                     label="states on disk: a lost disk rebuilt from the changelog",
                 )
+        _plot_bulk(axis, key, [r for r in results if r["mode"] == "bulk"])
         axis.set_xscale("log")
         if key != "changes_per_s":
             axis.set_yscale("log")
@@ -959,19 +1579,45 @@ def main() -> None:
         "--profile",
         help="disk mode: cProfile the apply path and write its stats here (one size)",
     )
+    parser.add_argument(
+        "--bulk",
+        type=int,
+        action="append",
+        default=[],
+        help="users of a bulk-built state to measure a worker over (repeatable)",
+    )
+    parser.add_argument("--save", type=Path, help="also write the results (JSON) here")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        action="append",
+        help="print and plot the results --save wrote (repeatable), running nothing",
+    )
     args = parser.parse_args()
-    sizes = [500] if args.smoke else (args.users or [10_000, 100_000])
+    sizes = [500] if args.smoke else (args.users or ([] if args.bulk else [10_000, 100_000]))
     modes = MODES if args.mode == "both" else (args.mode,)
     memory_mb = args.memory_mb or (SMOKE_MEMORY_MB if args.smoke else MEMORY_MB)
     # --smoke: a checkpoint every 20 messages, so that its few changes still see
     # several (states made clean, evicted and read back during the load).
     checkpoint_s = 0.1 if args.smoke else 1.0
     now_s = time.time()  # one read time for every run: their vectors compare
-    results = [
+    if args.replot:
+        results = [r for path in args.replot for r in json.loads(path.read_text())]
+        sizes, args.bulk = [], []
+        memory_mb = next((r["memory_mb"] for r in results if "memory_mb" in r), memory_mb)
+    else:
+        results = []
+    results += [
         run_size(mode, users, args.events, args.seed, now_s, checkpoint_s, memory_mb, args.profile)
         for users in sizes
         for mode in modes
     ]
+    results += [
+        run_size("bulk", users, args.events, args.seed, now_s, checkpoint_s, memory_mb)
+        for users in args.bulk
+    ]
+    if args.save is not None:
+        args.save.write_text(json.dumps(results, indent=2))
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -991,6 +1637,12 @@ def main() -> None:
         if memory and disk:
             print("\non disk / in memory:\n")
             print_ratios(results)
+        bulk = [r for r in results if r["mode"] == "bulk"]
+        if bulk:
+            print(f"\nbulk-built states on disk ({memory_mb:g} MB budget):\n")
+            print_table(bulk, BULK_COLUMNS)
+            print("\nagainst the smallest bulk-built size:\n")
+            print_bulk_ratios(bulk)
     if args.plot is not None:
         plot(results, args.plot)
 
