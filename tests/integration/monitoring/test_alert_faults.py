@@ -1,65 +1,86 @@
 """Alerts driven by real faults on the real stack, read from the local Alertmanager.
 
 One Prometheus and one Alertmanager (`edgefeed dev up`'s, on free ports, scraping
-every second) watch two exporters with their bearer tokens, two sources with their
-Debezium connectors (one only watched, one feeding the real pipeline: a router and
-the eu-west, us-east and ap-southeast workers, `edgefeed pipeline run`, each
-scraped on its `--metrics-port`, while a writer inserts a row every 0.2 s) and two
-model workers (`edgefeed workers serve
---model ranker`, with their token) in us-east and ap-southeast, each reading its
-region's cache and asked for a ranking every 0.2 s. The faults start at once and one
-deadline covers them all (the longest `for:` plus scrapes and evaluations):
+and evaluating every second) watch two exporters with their bearer tokens, two
+sources with their Debezium connectors (one only watched, one feeding the real
+pipeline: a router and the eu-west, us-east and ap-southeast workers, `edgefeed
+pipeline run`, each scraped on its `--metrics-port`, while a writer inserts a row
+every 0.2 s) and two model workers (`edgefeed workers serve --model ranker
+--processes 1`, with their token) in us-east and ap-southeast, each reading its
+region's cache and asked for a ranking every 1.5 s: under the 1 request/s at which
+EdgefeedServiceLatencyHigh judges a worker, because a healthy ranker on the 2-core
+test machine beside this stack has a T_service p99 of 9-10 ms (see Traffic).
 
+Time-scaled rules: Prometheus loads a copy of deploy/prometheus/alerts.yml, written
+to the test's folder, in which every `for:` is divided by TIME_SCALE (30) and held at
+3 evaluation intervals at least (3 s): EdgefeedRegionRebuilding's 30m holds 60 s,
+EdgefeedFreshnessBudgetSlowBurn's 15m 30 s, the slot alerts' 5m and 10m 10 s and
+20 s. The test asserts, by parsing both files, that every expression, label and
+annotation is production's and only the `for:` differs, and that Prometheus
+loaded those durations. Every alert then fires in the Alertmanager, not before its
+scaled `for:` from the fault (its `startsAt`, the time Prometheus fired it); the
+windows inside the expressions are production's. promtool's rule tests
+(deploy/prometheus/tests) prove the real `for:`.
+
+Before the router first starts, its table holds rows its connector never streamed:
+the router rebuilds them (docs/pipeline.md) by a snapshot paced to 2 rows/s, about
+25 minutes, and every region lists `pref` as rebuilding. The faults start at once:
+
+- us-east's ranker is overloaded by 8 unpaced clients (no sleep in the server):
+  requests queue in its one process (T_service counts from a request's first byte),
+  so its T_service p99 passes 5 ms at far over 1 request/s and
+  EdgefeedServiceLatencyHigh pages for us-east and ranker; the overload stops once
+  it does (every answer a 200), and the alert ends once the overload's minute left
+  the 1-minute windows: the rate under 1 request/s again, not the p99 under 5 ms
+  (promtool proves that end);
 - the watched connector is deleted (EdgefeedConnectorTaskFailed: a declared
   connector ABSENT; a paused one would be neither FAILED nor ABSENT and does not fire);
 - one exporter is killed (EdgefeedMonitorDown for its instance);
 - the eu-west worker is killed with SIGKILL while rows keep coming
-  (EdgefeedConsumerStalled for its group, EdgefeedFreshnessOverBudget and
-  EdgefeedRegionBehind for eu-west; EdgefeedConsumerLagGrowing, `for: 5m`, held
-  pending by Prometheus for its group and ap-southeast's);
+  (EdgefeedConsumerStalled and EdgefeedConsumerLagGrowing for its group,
+  EdgefeedFreshnessOverBudget and EdgefeedRegionBehind for eu-west);
 - ap-southeast's Redis is stopped (the session stack's redis-server, as `dev down`
   stops it): its ranker answers 503 (EdgefeedServingErrors for ap-southeast and
   ranker), the exporter cannot read the region (EdgefeedMonitorDown for the component
   redis:ap-southeast; the region's freshness is unknown, so
   EdgefeedFreshnessOverBudget does not judge it), and its worker retries without
-  committing (EdgefeedRegionBehind for ap-southeast, EdgefeedConsumerStalled for its
-  group);
+  committing (EdgefeedRegionBehind for ap-southeast, EdgefeedConsumerStalled and
+  EdgefeedConsumerLagGrowing for its group);
 - an entity's key in us-east's Redis is held by another application (a list): us-east's
   worker refuses that entity alone, quarantines it and writes the rest
-  (EdgefeedEntitiesQuarantined, `for: 5m`, held pending in Prometheus; dropped once the
-  key is freed and the entity's next change is written);
+  (EdgefeedEntitiesQuarantined for us-east, value 1, the key untouched);
 - a row whose score is out of its feature's int32 range is written: the running
   us-east worker dead-letters it (EdgefeedDeadLettersRising for us-east's
   dead-letter topic, the reason `out-of-range` in the exporter's reason counter);
 - the watched slot, its connector gone, retains the WAL of 60,000 rows written to
-  a table no source captures, over the exporters' `--slot-wal-bound` of 1 MiB.
-  EdgefeedReplicationSlotWalOverBound (`for: 5m`) and EdgefeedReplicationSlotInactive
-  (`for: 10m`) cannot fire within the suite's time: Prometheus must hold both
-  pending for that slot (its own rule evaluation, read from /api/v1/alerts, with
-  the runbook), not for the slot its connector reads, and drop them after the heal;
-  promtool's rule tests (deploy/prometheus/tests) prove their `for:`.
+  a table no source captures, over the exporters' `--slot-wal-bound` of 1 MiB
+  (EdgefeedReplicationSlotWalOverBound and EdgefeedReplicationSlotInactive for that
+  slot, not for the slot its connector reads);
+- the rebuild goes on (EdgefeedRegionRebuilding for us-east and eu-west, entity
+  `pref`, not before 60 s from the first exporter's start).
 
-us-east, whose worker runs and whose ranker answers, is named by none of the
-region, group, serving or Redis alerts. Each alert must reach the Alertmanager
-naming its connector, exporter, consumer group, region, model or topic, with its
-severity and runbook. The heal: ap-southeast's Redis started again (empty, as after
-a restart without persistence; the demo's vectors seeded again), the eu-west worker
-started again, the connector applied again, the dead exporter's target removed.
-Restarted, eu-west's worker writes its backlog minutes after the commits: over the
-freshness SLO's 1 s, so Prometheus holds EdgefeedFreshnessBudgetBurn (late share
-over 14.4% over 5 m and 1 h) and EdgefeedFreshnessBudgetSlowBurn (over 3% over 2 h
-and 1 d: here the minutes of history Prometheus has) pending or firing for eu-west,
-not for us-east; neither ends within the test (its 1-hour window keeps the late
-vectors), so promtool proves their ends and `for:`. Prometheus drops the lag-growing
-and slot alerts after the heal. Every other alert resolves but two whose ends
-promtool proves: EdgefeedDeadLettersRising (`increase(...[10m])`, ten minutes after
-the last dead letter) and
-EdgefeedServingErrors, which ends once its 1-minute window holds under 5% of 5xx, a
-minute after the heal (waiting for it would add that minute to the test); here the
-ranker's 5xx stop and its 200s come back as Prometheus reads them. ap-southeast's
-worker rode out the outage without a restart and wrote its region again (every row,
-those lost with the Redis and those that came during the outage, with its score),
-dead-lettering none of them.
+us-east, whose worker runs and whose ranker answers, is named by none of the region,
+group, serving-error or Redis alerts. Each alert must reach the Alertmanager naming
+its connector, exporter, consumer group, region, model, slot, entity or topic, with
+its severity and runbook. The heal: ap-southeast's Redis started again (empty, as
+after a restart without persistence; the demo's vectors seeded again), the rebuild's
+rows deleted (its snapshot's next chunk is empty: the rebuild ends and the router
+sends its end marker), the eu-west worker started again, the connector applied
+again, the dead exporter's target removed, the foreign key freed. Every alert
+resolves (the rebuild once us-east's worker and eu-west's restarted one took the end marker) but
+two whose ends promtool proves: EdgefeedDeadLettersRising (`increase(...[10m])`,
+ten minutes after the last dead letter) and EdgefeedServingErrors, which ends once
+its 1-minute window holds under 5% of 5xx, a minute after the heal (waiting for it
+would add that minute to the test); here the ranker's 5xx stop and its 200s come
+back as Prometheus reads them. Restarted, eu-west's worker writes its backlog
+minutes after the commits: over the freshness SLO's 1 s, so
+EdgefeedFreshnessBudgetBurn (late share over 14.4% over 5 m and 1 h) and
+EdgefeedFreshnessBudgetSlowBurn (over 3% over 2 h and 1 d: here the minutes of
+history Prometheus has) page for eu-west and ap-southeast, not for us-east; neither
+ends within the test (its 1-hour window keeps the late vectors), so promtool proves
+their ends. ap-southeast's worker rode out the outage without a restart and wrote
+its region again (every row, those lost with the Redis and those that came during
+the outage, with its score), dead-lettering none of them.
 """
 
 from __future__ import annotations
@@ -76,6 +97,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +121,7 @@ from connectors import deploy
 from connectors.client import ConnectClient
 from edge_cache import KeyLayout
 from edgefeed.devstack import DevStack
+from edgefeed.devstack.monitoring import PrometheusService, alerts_file
 from edgefeed.lookup import feature_client
 from edgefeed.settings import EdgefeedSettings, load_settings
 
@@ -107,9 +130,16 @@ pytestmark = pytest.mark.integration
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
 TOKEN = "scrape-4d2b7e91c0a35f68e1b2"
 WORKER_TOKEN = "serve-8c1f0a6e93d27b45f1a0"
-# The longest `for:` here (2m) plus scrapes, evaluations and the Alertmanager's
+# Prometheus here loads deploy/prometheus/alerts.yml with every `for:` divided by
+# TIME_SCALE and never under MIN_FOR_S (3 scrape and evaluation intervals of 1 s):
+# the longest, EdgefeedRegionRebuilding's 30m, holds for 60 s. Expressions, labels
+# and annotations are production's, byte for byte; promtool's rule tests
+# (deploy/prometheus/tests) prove the real `for:`.
+TIME_SCALE = 30
+MIN_FOR_S = 3.0
+# The longest scaled `for:` (60 s) plus scrapes, evaluations and the Alertmanager's
 # group_wait; a deadline for a hang, not a bound.
-DEADLINE_S = 120 + 60
+DEADLINE_S = 60 + 60
 # Startup of the router, three Faust workers and two model workers on a busy
 # machine; a deadline, not a bound.
 START_DEADLINE_S = 180
@@ -135,6 +165,22 @@ FOREIGN_ID = 10**12 + 1
 RESOLVED_BY_PROMTOOL = ("EdgefeedDeadLettersRising", "EdgefeedServingErrors")
 # The demo ranker's request (`workers seed-demo` writes its users and items).
 INFER = {"user_id": "u3", "item_ids": ["i1", "i2", "i3"]}
+# Rows in the pipeline's table before its router first starts: the stream never
+# carried them (its connector streams only what comes after it), so the router
+# rebuilds them by a snapshot paced to REBUILD_ROWS_PER_S, chunks of 16 rows (the
+# least Debezium's chunk may be): about 6 minutes, while the regions list `pref` as
+# rebuilding. The heal deletes the rows: the snapshot's next chunk is empty, it
+# ends, and the router sends its end marker.
+REBUILD_IDS = range(2 * 10**12, 2 * 10**12 + 400)
+REBUILD_ROWS_PER_S = 1
+# The heal deletes them REBUILD_DELETE_ROWS at a time, every 0.5 s: 3,000 deletes in
+# one transaction reached the regions seconds after their commit (1,000 a second)
+# and counted as late vectors against us-east's freshness SLO.
+REBUILD_DELETE_ROWS = 50
+# Unpaced clients of us-east's one-process ranker: requests queue in its event loop
+# and batcher (T_service counts from a request's first byte), so its T_service p99
+# passes 5 ms at far over 1 request/s; stopped once the alert fires.
+OVERLOAD_CLIENTS = 8
 
 
 @dataclass
@@ -155,6 +201,8 @@ class Watched:
     # region: its worker's --metrics-port, scraped as pipeline-REGION (the same port
     # when it is started again: the same series, so a restart reads as a counter reset)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # alert: its `for:` in seconds in the time-scaled rules Prometheus loads
+    scaled_for: dict[str, float] = field(default_factory=dict)
 
     @property
     def folder(self) -> Path:
@@ -195,10 +243,11 @@ class Watched:
 
 
 class _Every:
-    """A loop on a daemon thread, one step every 0.2 s, until stopped; an error ends
-    it and is raised again by :meth:`stop` (the test must not hide it)."""
+    """A loop on a daemon thread, one step every ``every_s``, until stopped; an error
+    ends it and is raised again by :meth:`stop` (the test must not hide it)."""
 
     name = "loop"
+    every_s = 0.2
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -216,7 +265,7 @@ class _Every:
             self.error = exc
 
     def _ticks(self) -> Iterator[None]:
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(self.every_s):
             yield None
 
     def _loop(self) -> None:
@@ -252,10 +301,18 @@ class Writer(_Every):
 
 
 class Traffic(_Every):
-    """Asks each region's ranker for a ranking every 0.2 s until stopped, counting
-    the answers' HTTP statuses per region (a worker must always answer)."""
+    """Asks each region's ranker for a ranking every 1.5 s until stopped, counting
+    the answers' HTTP statuses per region (a worker must always answer).
+
+    Under 1 request/s on purpose: EdgefeedServiceLatencyHigh judges a worker's p99
+    only at 1 request/s or more, and on the 2-core test machine a healthy ranker
+    beside the test's stack has a T_service p99 of 9-10 ms (5-8% of its requests
+    over 5 ms: the batcher's 2 ms wait for a partner, then event-loop and batch-thread
+    wake-ups behind a dozen busy processes). At 5 requests/s it paged without a
+    fault; below 1/s only the overload can make it page."""
 
     name = "ranker-traffic"
+    every_s = 1.5
 
     def __init__(self, rankers: dict[str, str], token: str) -> None:
         super().__init__()
@@ -273,6 +330,103 @@ class Traffic(_Every):
                 for region, url in self.rankers.items():
                     answer = session.post(f"{url}/v1/models/ranker/infer", json=INFER, timeout=30)
                     self.statuses[region][answer.status_code] += 1
+
+
+class Overload:
+    """OVERLOAD_CLIENTS threads that ask one ranker for rankings back to back, no
+    pause, until stopped, counting the answers' statuses; :meth:`stop` raises the
+    first error again."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token = url, token
+        self.statuses: Counter[int] = Counter()
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self._threads = [
+            threading.Thread(target=self._guarded, name=f"overload-{i}", daemon=True)
+            for i in range(OVERLOAD_CLIENTS)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            with requests.Session() as session:
+                session.headers["Authorization"] = f"Bearer {self.token}"
+                while not self._stop.is_set():
+                    answer = session.post(
+                        f"{self.url}/v1/models/ranker/infer", json=INFER, timeout=30
+                    )
+                    self.statuses[answer.status_code] += 1
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        errors, self.errors = self.errors, []  # raised once (stop runs twice)
+        if errors:
+            raise errors[0]
+
+
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration_s(text: str) -> float:
+    """A Prometheus duration (``5m``, ``1h30m``, ``30s``) in seconds."""
+    parts = re.findall(r"(\d+)(ms|s|m|h|d)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"duration {text!r}"
+    return sum(int(n) * _UNITS[u] for n, u in parts)
+
+
+def _scaled_rules(folder: Path) -> tuple[Path, dict[str, float]]:
+    """deploy/prometheus/alerts.yml with every alert's `for:` divided by TIME_SCALE
+    (at least MIN_FOR_S), written to ``folder``; with each alert's scaled `for:` in
+    seconds (0: the rule has none)."""
+    production = yaml.safe_load(alerts_file().read_text())
+    scaled_for: dict[str, float] = {}
+    for group in production["groups"]:
+        for rule in group["rules"]:
+            if "alert" not in rule:
+                continue
+            scaled = 0.0
+            if "for" in rule:
+                scaled = max(MIN_FOR_S, _duration_s(rule["for"]) / TIME_SCALE)
+                rule["for"] = f"{scaled:g}s"
+            scaled_for[rule["alert"]] = scaled
+    path = folder / "alerts-scaled.yml"
+    path.write_text(yaml.safe_dump(production, sort_keys=False, width=10_000))
+    return path, scaled_for
+
+
+def _assert_only_for_scaled(copy: Path) -> None:
+    """Every rule of ``copy`` is production's but for its `for:` (divided by
+    TIME_SCALE, at least MIN_FOR_S): expressions, labels and annotations equal."""
+    production = yaml.safe_load(alerts_file().read_text())["groups"]
+    scaled = yaml.safe_load(copy.read_text())["groups"]
+    assert [g["name"] for g in scaled] == [g["name"] for g in production]
+    for ours, theirs in zip(scaled, production, strict=True):
+        assert len(ours["rules"]) == len(theirs["rules"]), ours["name"]
+        for rule, real in zip(ours["rules"], theirs["rules"], strict=True):
+            assert {k: v for k, v in rule.items() if k != "for"} == {
+                k: v for k, v in real.items() if k != "for"
+            }, (rule, real)
+            assert ("for" in rule) == ("for" in real), (rule, real)
+            if "for" in real:
+                want = max(MIN_FOR_S, _duration_s(real["for"]) / TIME_SCALE)
+                assert _duration_s(rule["for"]) == want, (rule, real)
+
+
+def _started_s(alert: dict[str, Any]) -> float:
+    """The Alertmanager's ``startsAt`` of ``alert`` (Prometheus sends the time it
+    fired, its `for:` after the expression first held) as a Unix time."""
+    stamp = re.sub(r"(\.\d{6})\d*", r"\1", alert["startsAt"]).replace("Z", "+00:00")
+    return datetime.fromisoformat(stamp).timestamp()
 
 
 def _exporter(
@@ -478,6 +632,9 @@ def watched(
             "name": f"{name}_p",
             "snapshot_mode": "no_data",
             "tables": [{"name": f"{table}_p", "key": ["id"]}],
+            # the pace of the router's rebuild of the rows it never streamed
+            "snapshot_rows_per_s": REBUILD_ROWS_PER_S,
+            "snapshot_chunk_rows": 16,
         },
     ]
     mapping.update(score_pipeline(prefix, f"{table}_p"))
@@ -489,6 +646,10 @@ def watched(
     watched_only = settings.model_copy(update={"sources": settings.sources[:1]})
     piped = settings.model_copy(update={"sources": settings.sources[1:]})
     stack = DevStack(settings, folder, only=["prometheus", "alertmanager"])
+    rules, scaled_for = _scaled_rules(folder)
+    for service in stack.services:
+        if isinstance(service, PrometheusService):
+            service.rule_file = rules
     worker_token = folder / "worker.token"
     worker_token.write_text(WORKER_TOKEN + "\n")
     worker_token.chmod(0o600)
@@ -503,6 +664,13 @@ def watched(
         with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
             conn.execute(f"CREATE TABLE public.{scratch} (id bigint)")
         cleanup.callback(_drop_table, settings.database.dsn(), scratch)
+        with psycopg.connect(settings.database.dsn(), autocommit=True) as conn:
+            # Before the router's first start: rows it must rebuild.
+            conn.execute(
+                f"INSERT INTO public.{table}_p (id, score) "
+                "SELECT g, g %% 1000 FROM generate_series(%s::bigint, %s::bigint) g",
+                (REBUILD_IDS.start, REBUILD_IDS.stop - 1),
+            )
         cleanup.callback(_empty_caches, settings)
         cleanup.callback(start_service, devstack, f"redis-{STOPPED}")
         cleanup.callback(stack.down)
@@ -522,6 +690,7 @@ def watched(
         )
         cleanup.callback(result.stop_pipeline)
         result.metrics_ports.update(zip(REGIONS, metrics_ports, strict=True))
+        result.scaled_for.update(scaled_for)
         for region in REGIONS:
             result.start_worker(region)
         rankers: dict[str, subprocess.Popen[bytes]] = {}
@@ -593,10 +762,25 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
     token_file.write_text(TOKEN + "\n")
     writer = Writer(dsn, watched.table)
     traffic = Traffic(watched.rankers, WORKER_TOKEN)
+    overload = Overload(watched.rankers["us-east"], WORKER_TOKEN)
+    scaled_for = watched.scaled_for
+    # The rules Prometheus evaluates are production's, only their `for:` scaled, and
+    # it loaded them (its own account of each alert's `for:`).
+    _assert_only_for_scaled(watched.folder / "alerts-scaled.yml")
+    answer = requests.get(f"{prometheus}/api/v1/rules", params={"type": "alert"}, timeout=5)
+    loaded = {
+        rule["name"]: float(rule["duration"])
+        for group in answer.json()["data"]["groups"]
+        for rule in group["rules"]
+    }
+    assert loaded == scaled_for, (loaded, scaled_for)
     with contextlib.ExitStack() as cleanup:
         (_, main_port), (doomed, doomed_port) = _exporters(
             cleanup, 2, watched.settings_file, token_file, names.router_group, *groups.values()
         )
+        # Prometheus scrapes no exporter before this: the regions' rebuilding list
+        # (under way since the router started) reaches it after.
+        exporting = time.time()
         stack.scrape("edgefeed-exporter", "exporter", main_port, token=TOKEN)
         stack.scrape("edgefeed-exporter", "exporter-doomed", doomed_port, token=TOKEN)
         doomed_instance = f"127.0.0.1:{doomed_port}"
@@ -651,6 +835,8 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                     "slot",
                     {slot},
                 ),
+                # The router's rebuild of the rows it never streamed, under way.
+                ('edgefeed_region_rebuilding{entity="pref"} == 1', "region", set(REGIONS)),
             ],
         )
         assert all(set(counts) == {200} for counts in traffic.statuses.values()), traffic.statuses
@@ -658,10 +844,14 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
             _find(_alerts(alertmanager), "EdgefeedConnectorTaskFailed", connector=connector) is None
         )
 
-        # The faults, at once: eu-west's worker killed, a row no region can hold,
-        # ap-southeast's Redis stopped, the watched connector deleted, one exporter
-        # killed; then WAL written while nothing reads the watched slot (once Connect
-        # has let go of it: a reader still streaming would confirm it).
+        # The faults, at once: us-east's ranker overloaded, eu-west's worker killed,
+        # an entity's key held by another application in us-east, a row no region can
+        # hold, ap-southeast's Redis stopped, the watched connector deleted, one
+        # exporter killed; then WAL written while nothing reads the watched slot (once
+        # Connect has let go of it: a reader still streaming would confirm it).
+        faulted = time.time()
+        overload.start()
+        cleanup.callback(overload.stop)
         os.killpg(watched.workers["eu-west"].pid, signal.SIGKILL)
         watched.workers["eu-west"].wait()
         foreign_key = KeyLayout().key("pref", FOREIGN_ID)
@@ -687,53 +877,27 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                 (BURST_ROWS,),
             )
 
-        # The slot's alerts have a `for:` of 5 and 10 minutes, EdgefeedConsumerLagGrowing
-        # one of 5: here Prometheus holds them pending (their expressions true on the
-        # real stack, evaluated by the rules themselves); promtool proves the rest. The
-        # slot its connector reads is not named.
-        growing = [groups["eu-west"], groups[STOPPED]]
-        pending = _until(
-            lambda: _rule_alerts(prometheus),
-            lambda alerts: (
-                _find(alerts, "EdgefeedReplicationSlotWalOverBound", slot=slot) is not None
-                and _find(alerts, "EdgefeedReplicationSlotInactive", slot=slot) is not None
-                and all(
-                    _find(alerts, "EdgefeedConsumerLagGrowing", consumergroup=group) is not None
-                    for group in growing
-                )
-                and _find(alerts, "EdgefeedEntitiesQuarantined", region="us-east") is not None
-            ),
-            "the slot alerts, eu-west's and ap-southeast's lag growing and us-east's "
-            "quarantined entity pending",
+        # us-east's ranker, overloaded: its T_service p99 over 5 ms at far over
+        # 1 request/s pages (naming the region and the model) once it held for the
+        # scaled `for:`; then the overload stops, its CPU given back to the rest.
+        latency = ("EdgefeedServiceLatencyHigh", {"region": "us-east", "model": "ranker"})
+        slow = _until(
+            lambda: _alerts(alertmanager),
+            lambda alerts: _find(alerts, latency[0], **latency[1]) is not None,
+            "us-east's ranker's T_service p99 over 5 ms paged",
             deadline,
         )
-        # us-east's worker refused the entity whose key another application holds,
-        # alone (`for: 5m`: pending here), and left the key as it was.
-        quarantined = _find(pending, "EdgefeedEntitiesQuarantined", region="us-east")
-        _check(quarantined, "warning", "us-east")
-        assert quarantined is not None and float(quarantined["value"]) == 1, quarantined
-        with redis.Redis.from_url(us_east_redis) as client:
-            assert client.lrange(foreign_key, 0, -1) == [b"another application's list"]
-        over = _find(pending, "EdgefeedReplicationSlotWalOverBound", slot=slot)
-        inactive = _find(pending, "EdgefeedReplicationSlotInactive", slot=slot)
-        _check(over, "critical", slot)
-        _check(inactive, "warning", slot)
-        assert over is not None and inactive is not None
-        assert (over["state"], inactive["state"]) == ("pending", "pending")
-        assert float(over["value"]) > SLOT_WAL_BOUND, over
-        assert _find(pending, "EdgefeedReplicationSlotInactive", slot=piped_slot) is None
-        # eu-west's dead worker and ap-southeast's retrying one: their groups' status
-        # is STOP or STALL and their lag grows while rows keep coming. (us-east's group
-        # may be pending too for a moment on a busy machine: a WARN blip while its
-        # worker catches up, which the `for: 5m` keeps from paging, as promtool proves;
-        # that it is not stopped shows in EdgefeedConsumerStalled below.)
-        for group in growing:
-            lagging = _find(pending, "EdgefeedConsumerLagGrowing", consumergroup=group)
-            _check(lagging, "warning", group)
-            assert lagging is not None and lagging["state"] in ("pending", "firing"), lagging
+        overload.stop()
+        overloaded_until = time.time()
+        slow_alert = _find(slow, latency[0], **latency[1])
+        _check(slow_alert, "warning", "us-east", "ranker")
+        assert slow_alert is not None
+        assert _started_s(slow_alert) >= faulted + scaled_for[latency[0]], slow_alert
+        assert set(overload.statuses) == {200} and overload.statuses[200] > 0, overload.statuses
 
         # What each fault pages: the alert, the labels that name what failed, its
         # severity, and what its summary must say.
+        growing = [groups["eu-west"], groups[STOPPED]]
         expected: list[tuple[str, dict[str, str], str, str]] = [
             ("EdgefeedConnectorTaskFailed", {"connector": connector}, "critical", connector),
             ("EdgefeedMonitorDown", {"instance": doomed_instance}, "critical", doomed_instance),
@@ -753,8 +917,33 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
             ("EdgefeedMonitorDown", {"component": f"redis:{STOPPED}"}, "critical", STOPPED),
             ("EdgefeedRegionBehind", {"region": STOPPED}, "warning", STOPPED),
             ("EdgefeedConsumerStalled", {"consumergroup": groups[STOPPED]}, "critical", STOPPED),
-            # us-east's worker dead-letters the row no region can hold.
+            # eu-west's dead worker and ap-southeast's retrying one: their groups'
+            # status is STOP or STALL and their lag grows while rows keep coming. (us-east's
+            # group may page too on a busy machine: a WARN blip while its worker catches
+            # up, which the real `for: 5m` keeps from paging, as promtool proves.)
+            *(
+                ("EdgefeedConsumerLagGrowing", {"consumergroup": group}, "warning", group)
+                for group in growing
+            ),
+            # us-east's worker dead-letters the row no region can hold, and quarantines
+            # the entity whose key another application holds, alone.
             ("EdgefeedDeadLettersRising", {"topic": dead_letters}, "warning", dead_letters),
+            ("EdgefeedEntitiesQuarantined", {"region": "us-east"}, "warning", "us-east"),
+            # The watched slot, its connector gone, retains the burst's WAL.
+            ("EdgefeedReplicationSlotWalOverBound", {"slot": slot}, "critical", slot),
+            ("EdgefeedReplicationSlotInactive", {"slot": slot}, "warning", slot),
+            # The router's paced rebuild, listed in us-east's cache and in eu-west's
+            # (its dead worker cannot take the mark off). ap-southeast's list went
+            # with its Redis.
+            *(
+                (
+                    "EdgefeedRegionRebuilding",
+                    {"region": region, "entity": "pref"},
+                    "warning",
+                    region,
+                )
+                for region in ("us-east", "eu-west")
+            ),
         ]
         alerts = _until(
             lambda: _alerts(alertmanager),
@@ -763,18 +952,39 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
             deadline,
         )
         for name, labels, severity, named in expected:
-            _check(_find(alerts, name, **labels), severity, named)
+            alert = _find(alerts, name, **labels)
+            _check(alert, severity, named)
+            # Not before its (scaled) `for:` from the fault; the rebuild's from the
+            # first exporter that read it.
+            assert alert is not None
+            began = exporting if name == "EdgefeedRegionRebuilding" else faulted
+            assert _started_s(alert) >= began + scaled_for[name], (alert, began)
         errors = _find(alerts, "EdgefeedServingErrors", region=STOPPED, model="ranker")
         assert errors is not None and "ranker" in errors["annotations"]["summary"], errors
         down = _find(alerts, "EdgefeedMonitorDown", instance=doomed_instance)
         assert down is not None and down["labels"]["job"] == "edgefeed-exporter", down
-        # us-east, whose worker runs and takes the same rows and whose ranker answers,
-        # is named by none of them, nor is the exporter that still runs.
+        rebuilding = _find(alerts, "EdgefeedRegionRebuilding", region="us-east")
+        assert rebuilding is not None and "pref" in rebuilding["annotations"]["summary"]
+        # What Prometheus measured: one quarantined entity, the slot's WAL over its
+        # bound, the slot the running connector reads not named.
+        rule_alerts = _rule_alerts(prometheus)
+        quarantined = _find(rule_alerts, "EdgefeedEntitiesQuarantined", region="us-east")
+        assert quarantined is not None and float(quarantined["value"]) == 1, quarantined
+        over = _find(rule_alerts, "EdgefeedReplicationSlotWalOverBound", slot=slot)
+        assert over is not None and float(over["value"]) > SLOT_WAL_BOUND, over
+        assert _find(rule_alerts, "EdgefeedReplicationSlotInactive", slot=piped_slot) is None
+        # us-east's worker left the foreign key as it was.
+        with redis.Redis.from_url(us_east_redis) as client:
+            assert client.lrange(foreign_key, 0, -1) == [b"another application's list"]
+        # us-east, whose worker runs and takes the same rows and whose ranker answers
+        # (slowly, but every time), is named by none of the region, group, serving
+        # or Redis alerts, nor is the exporter that still runs.
         for name, labels in (
             ("EdgefeedConsumerStalled", {"consumergroup": groups["us-east"]}),
             ("EdgefeedFreshnessOverBudget", {"region": "us-east"}),
             ("EdgefeedRegionBehind", {"region": "us-east"}),
             ("EdgefeedServingErrors", {"region": "us-east"}),
+            ("EdgefeedServiceLatencyHigh", {"region": STOPPED}),
             ("EdgefeedMonitorDown", {"component": "redis:us-east"}),
             ("EdgefeedMonitorDown", {"instance": f"127.0.0.1:{main_port}"}),
         ):
@@ -791,8 +1001,17 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
         # The heal: ap-southeast's Redis started again (empty, as after a restart
         # without persistence: its worker must write the region again, and the demo's
         # vectors are seeded again), the eu-west worker started again, the connector
-        # applied again, the dead exporter's target gone. Rows keep coming.
+        # applied again, the dead exporter's target gone, the rebuild's rows deleted
+        # (its snapshot's next chunk is empty: it ends, and the router sends its end
+        # marker after the deletes). Rows keep coming.
         start_service(watched.services, f"redis-{STOPPED}")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for high in range(REBUILD_IDS.stop, REBUILD_IDS.start, -REBUILD_DELETE_ROWS):
+                conn.execute(
+                    f"DELETE FROM public.{watched.table} WHERE id >= %s AND id < %s",
+                    (high - REBUILD_DELETE_ROWS, high),
+                )
+                time.sleep(0.5)  # the deletes' pace, as the writer's inserts'
         written = writer.last
         watched.start_worker("eu-west")
         with ConnectClient(settings.connect.url, timeout_s=30) as client:
@@ -809,18 +1028,24 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
                 f"UPDATE public.{watched.table} SET score = 8 WHERE id = %s", (FOREIGN_ID,)
             )
 
-        # EdgefeedDeadLettersRising ends ten minutes after the last dead letter and
-        # EdgefeedServingErrors once its 1-minute window holds under 5% of 5xx, a
-        # minute after the heal (the test's longest wait if waited for): promtool
-        # proves both ends; here, the ranker's answers as Prometheus reads them.
+        # Every alert resolves: the slot read again, the groups caught up, the
+        # quarantined entity written, the rebuild's end marker taken by us-east's
+        # worker and by eu-west's restarted one, us-east's T_service p99 under 5 ms
+        # again once the overload's minute left its window. EdgefeedDeadLettersRising
+        # ends ten minutes after the last dead letter and EdgefeedServingErrors once its
+        # 1-minute window holds under 5% of 5xx, a minute after the heal (the test's
+        # longest wait if waited for): promtool proves both ends; here, the ranker's
+        # answers as Prometheus reads them.
         deadline = time.monotonic() + DEADLINE_S
-        resolving = [e for e in expected if e[0] not in RESOLVED_BY_PROMTOOL]
+        resolving = [(n, labels) for n, labels, *_ in expected if n not in RESOLVED_BY_PROMTOOL]
+        resolving.append(latency)
         _until(
             lambda: _alerts(alertmanager),
-            lambda alerts: not any(_find(alerts, name, **labels) for name, labels, *_ in resolving),
+            lambda alerts: not any(_find(alerts, name, **labels) for name, labels in resolving),
             "every alert but the dead letters' and the 5xx's resolved after the heal",
             deadline,
         )
+        assert time.time() > overloaded_until  # the latency's end came after the overload's
         ranker_5xx = f'edgefeed_worker_requests_total{{region="{STOPPED}",status=~"5.."}}'
         ranker_ok = f'edgefeed_worker_requests_total{{region="{STOPPED}",status="200"}}'
         _until(
@@ -836,47 +1061,36 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
         # eu-west's restarted worker caught up (its EdgefeedRegionBehind ended above)
         # by writing vectors minutes after their commit: past the freshness SLO's 1 s,
         # so its late share over 5 m and over 1 h (here: all of its history) burns the
-        # budget at over 14.4x, and over 1 d and 2 h at over 3x. Prometheus holds both
-        # burn alerts (`for: 2m`, `for: 15m`) for eu-west, and for ap-southeast, whose
-        # worker wrote the outage's rows once its Redis was back; us-east, on time all
-        # along, burns nothing. Neither ends within the test (its 1-hour window keeps the late
+        # budget at over 14.4x, and over 1 d and 2 h at over 3x. Both burn alerts page
+        # (`for:` 2m and 15m scaled) for eu-west, and for ap-southeast, whose worker
+        # wrote the outage's rows once its Redis was back; us-east, on time all along,
+        # burns nothing. Neither ends within the test (its 1-hour window keeps the late
         # vectors): promtool proves the end of the burn.
         burn = ("EdgefeedFreshnessBudgetBurn", "EdgefeedFreshnessBudgetSlowBurn")
         late = ("eu-west", STOPPED)
         ratios = "edgefeed:freshness_slo_errors:ratio_rate5m"
         burning = _until(
-            lambda: _rule_alerts(prometheus),
+            lambda: _alerts(alertmanager),
             lambda alerts: all(
                 _find(alerts, name, region=region) for name in burn for region in late
             ),
-            f"eu-west and {STOPPED} burning their freshness budget",
+            f"eu-west and {STOPPED} burning their freshness budget, paged",
             deadline,
         )
+        # ap-southeast's ranker, answering again under 1 request/s, is not judged.
+        assert _find(burning, "EdgefeedServiceLatencyHigh", region=STOPPED) is None, burning
+        rule_alerts = _rule_alerts(prometheus)
         # Their values: the late share over 1 h (page) and over 1 d (ticket).
         for name, severity, rate in zip(burn, ("critical", "warning"), (14.4, 3), strict=True):
             for region in late:
-                burnt = _find(burning, name, region=region)
-                _check(burnt, severity, region)
-                assert burnt is not None and burnt["state"] in ("pending", "firing"), burnt
+                _check(_find(burning, name, region=region), severity, region)
+                burnt = _find(rule_alerts, name, region=region)
+                assert burnt is not None and burnt["state"] == "firing", burnt
                 assert float(burnt["value"]) > rate * 0.01, (burnt, _query(prometheus, ratios))
-            assert _find(burning, name, region="us-east") is None, (
-                burning,
+            assert _find(rule_alerts, name, region="us-east") is None, (
+                rule_alerts,
                 _query(prometheus, ratios),
             )
-        _until(
-            lambda: _rule_alerts(prometheus),
-            lambda alerts: (
-                _find(alerts, "EdgefeedReplicationSlotWalOverBound", slot=slot) is None
-                and _find(alerts, "EdgefeedReplicationSlotInactive", slot=slot) is None
-                and not any(
-                    _find(alerts, "EdgefeedConsumerLagGrowing", consumergroup=group)
-                    for group in growing
-                )
-                and _find(alerts, "EdgefeedEntitiesQuarantined", region="us-east") is None
-            ),
-            "the slot alerts, the lag growing and the quarantine no longer pending after the heal",
-            deadline,
-        )
         # The quarantined entity's change after the heal is in us-east's cache.
         foreign_rows = range(FOREIGN_ID, FOREIGN_ID + 1)
         while _scores(settings, "us-east", foreign_rows) != {FOREIGN_ID: 8}:
