@@ -1030,8 +1030,9 @@ def test_faults_at_once_page_naming_what_failed_and_resolve_after_the_heal(
 
         # Every alert resolves: the slot read again, the groups caught up, the
         # quarantined entity written, the rebuild's end marker taken by us-east's
-        # worker and by eu-west's restarted one, us-east's T_service p99 under 5 ms
-        # again once the overload's minute left its window. EdgefeedDeadLettersRising
+        # worker and by eu-west's restarted one, us-east's latency alert once the
+        # overload's minute left its window (its rate under 1 request/s: see Traffic;
+        # a p99 back under 5 ms is promtool's). EdgefeedDeadLettersRising
         # ends ten minutes after the last dead letter and EdgefeedServingErrors once its
         # 1-minute window holds under 5% of 5xx, a minute after the heal (the test's
         # longest wait if waited for): promtool proves both ends; here, the ranker's
