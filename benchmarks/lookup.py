@@ -64,6 +64,7 @@ from edge_cache import (
 ROOT = Path(__file__).resolve().parent.parent
 N_ENTITIES = 1000
 WRITE_CHUNK = 10_000  # entities per write while filling the Redis
+PATCH_US = 1_800_000_000  # the scheduled values' first patch: 30 min from the fill
 N_FEATURES = 50
 SIZES = (1, 100)
 SLOTS = 4  # pipeline.features.SCHEDULE_SLOTS
@@ -342,8 +343,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         for i, row in enumerate(data[start : start + WRITE_CHUNK], start)
                     ]
                 )
-            # Scheduled values: odd entities read their first patch (in force since a
-            # minute ago), even ones the vector written; every slot is used.
+            # Scheduled values: odd entities read their first patch (in force since
+            # half an hour ago), even ones the vector written (their first patch takes
+            # over in half an hour: after the fill, which takes minutes at millions of
+            # entities); every slot is used.
             now_us = int(now * 1e6)
 
             def vector(row: np.ndarray) -> dict[str, float]:
@@ -365,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         + (
                                             k * 3_600_000_000
                                             if k
-                                            else (-1 if i % 2 else 1) * 60_000_000
+                                            else (-1 if i % 2 else 1) * PATCH_US
                                         ),
                                         vector(row if k == 0 else row + k),
                                     )

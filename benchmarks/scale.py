@@ -1162,9 +1162,12 @@ async def _killed_worker(
             if task is not None and not task.done():
                 await task
             if not told and changelog.closes >= KILL_AFTER:
-                out.send("loading")  # kill me now, in the middle of the load
+                gc.collect()
+                # Kill me now, in the middle of the load; a worker alone in its
+                # process over the built state: its resident memory.
+                out.send(("loading", rss_mb()))
                 told = True
-    out.send("done")
+    out.send(("done", rss_mb()))
     await asyncio.sleep(3600)  # killed
 
 
@@ -1185,7 +1188,8 @@ async def restart_after_kill(
     process.start()
     send.close()
     try:
-        during = receive.recv() == "loading"
+        said, worker_rss = receive.recv()
+        during = said == "loading"
     except EOFError:
         process.join()
         raise RuntimeError(f"the killed worker died first (exit {process.exitcode})") from None
@@ -1236,6 +1240,7 @@ async def restart_after_kill(
     local.close()
     return {
         "killed_during_load": during,
+        "worker_rss_mb": round(worker_rss),
         "kill_acked_messages": sum(acked.values()),
         "kill_tail_records": tail,
         "kill_tail_s": round(tail_s, 3),
@@ -1428,6 +1433,7 @@ BULK_COLUMNS = (
     ("uniform_changes_per_s", "uniform changes/s"),
     ("hot_changes_per_s", "hot changes/s"),
     ("rss_mb", "RSS MB"),
+    ("worker_rss_mb", "worker RSS MB"),
     ("peak_cache_mb", "peak cache MB"),
     ("kill_tail_records", "tail records"),
     ("kill_recovery_s", "kill -9 to fresh write s"),
@@ -1440,6 +1446,7 @@ BULK_RATIOS = (
     ("uniform_changes_per_s", "uniform changes/s"),
     ("hot_changes_per_s", "hot changes/s"),
     ("rss_mb", "RSS"),
+    ("worker_rss_mb", "worker RSS"),
     ("kill_recovery_s", "kill -9 to fresh write"),
 )
 
