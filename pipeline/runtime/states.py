@@ -17,8 +17,9 @@ unit tests (tests/unit/pipeline/test_local_state.py):
    interval, so that the estimate stays near the budget. Dirty states above the
    whole budget (changes came faster than a checkpoint stored them) make it
    :attr:`~StateCache.over`: the worker takes no new message until a checkpoint
-   stored them (backpressure), so the estimate never passes the budget by more
-   than one message's changes.
+   stored them (backpressure), so the estimate passes the budget by no more
+   than the states one message changes (and one slice of renewals: their
+   schedules are bookkeeping to store, and a renewal is a freshness bound).
 4. Without a store (``loader`` None) nothing is evicted: the states are the
    whole truth, as before issue 36.
 """
