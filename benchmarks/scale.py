@@ -1457,7 +1457,10 @@ def print_bulk_ratios(bulk: list[dict[str, Any]]) -> None:
     print("| users | " + " | ".join(f"{t} / {base['users']:,}'s" for _, t in BULK_RATIOS) + " |")
     print("|" + "---|" * (len(BULK_RATIOS) + 1))
     for result in bulk:
-        cells = [_ratio(result[key], base[key]) for key, _ in BULK_RATIOS]
+        cells = [
+            _ratio(result[key], base[key]) if key in result and key in base else "-"
+            for key, _ in BULK_RATIOS
+        ]
         print(f"| {result['users']:,} | " + " | ".join(cells) + " |")
 
 
@@ -1469,7 +1472,7 @@ def print_table(results: list[dict[str, Any]], columns: Sequence[tuple[str, str]
     print("| " + " | ".join(title for _, title in columns) + " |")
     print("|" + "---|" * len(columns))
     for result in results:
-        print("| " + " | ".join(_cell(result[key]) for key, _ in columns) + " |")
+        print("| " + " | ".join(_cell(result.get(key, "-")) for key, _ in columns) + " |")
 
 
 def print_ratios(results: list[dict[str, Any]]) -> None:
