@@ -272,12 +272,28 @@ def read_tail(path: Path, local: LocalStates) -> tuple[int, dict[int, int]]:
             found = {int(p): o for p, o in mark["offsets"].items()}
             if all(found[p] <= floor[p] for p in range(PARTITIONS)):
                 start, offsets = mark["pos"], found
+    applied, read = apply_frames(local, read_frames(path, start), offsets, floor)
+    with open(path, "r+b") as log:
+        log.truncate(start + read)
+    return applied, offsets
+
+
+def apply_frames(
+    local: LocalStates,
+    frames: Iterator[tuple[int, bytes, bytes | None]],
+    offsets: dict[int, int],
+    floor: dict[int, int] | None = None,
+) -> tuple[int, int]:
+    """Apply changelog records to each partition's database by batches of
+    REBUILD_BATCH, as a worker's recovery does; ``offsets`` (each partition's last
+    offset) move with them, and records at or below ``floor`` (what a database
+    already holds) are skipped. Returns (records applied, bytes of frames read)."""
     batches: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
-    applied, end = 0, start
-    for partition, key, value in read_frames(path, start):
-        end += FRAME.size + len(key) + (len(value) if value is not None else 0)
+    applied = read = 0
+    for partition, key, value in frames:
+        read += FRAME.size + len(key) + (len(value) if value is not None else 0)
         offsets[partition] += 1
-        if offsets[partition] <= floor[partition]:
+        if floor is not None and offsets[partition] <= floor[partition]:
             continue
         applied += 1
         batch = batches[partition]
@@ -288,9 +304,7 @@ def read_tail(path: Path, local: LocalStates) -> tuple[int, dict[int, int]]:
     for partition, batch in batches.items():
         if batch:
             local.records_applied(partition, batch, offsets[partition])
-    with open(path, "r+b") as log:
-        log.truncate(end)
-    return applied, offsets
+    return applied, read
 
 
 class FileAcker:
@@ -914,20 +928,8 @@ def rebuild_disk(folder: Path, engine: FeatureEngine, at_ms: int, digest: int) -
     gc.collect()
     started = time.perf_counter()
     local = open_states(folder / "rebuilt", engine)
-    batches: dict[int, list[tuple[bytes, bytes | None]]] = defaultdict(list)
     offsets = dict.fromkeys(range(PARTITIONS), -1)
-    records = 0
-    for partition, key, value in read_frames(folder / "changelog.log"):
-        offsets[partition] += 1
-        records += 1
-        batch = batches[partition]
-        batch.append((key, value))
-        if len(batch) >= REBUILD_BATCH:
-            local.records_applied(partition, batch, offsets[partition])
-            batches[partition] = []
-    for partition, batch in batches.items():
-        if batch:
-            local.records_applied(partition, batch, offsets[partition])
+    records, _ = apply_frames(local, read_frames(folder / "changelog.log"), offsets)
     rebuild_s = time.perf_counter() - started
     total, _without, _entities, _rows = store_digest(engine, stored_states(local), at_ms)
     local.close()
