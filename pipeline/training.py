@@ -213,7 +213,9 @@ async def topic_changes(
             if any(c.op != "r" or c.snapshot in (None, "incremental") for c in begun):
                 notes.append(
                     f"{table}: topic {topic} does not begin with the connector's initial "
-                    "snapshot (retention): rows committed before its first record are missing"
+                    "snapshot (retention passed, or the connector took no snapshot: "
+                    "snapshot_mode no_data): rows committed before its first record, if the "
+                    "table held any then, are missing"
                 )
             if skipped.get(topic):
                 notes.append(f"{table}: {skipped[topic]} undecodable records skipped")
