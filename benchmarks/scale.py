@@ -74,7 +74,7 @@ import tempfile
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,9 @@ class DiskChangelog:
         self.records = 0
         self.bytes = 0
         self.closes = 0
+        # Called with the records of a checkpoint once the broker has them, before
+        # the store does: where the killed worker takes its kill -9.
+        self.acknowledged: Callable[[int], None] | None = None
         self._mark()
 
     def _mark(self) -> None:
@@ -229,6 +232,8 @@ class DiskChangelog:
             self.send(partition, checkpoint_key(partition), orjson.dumps({"at_ms": at_ms}))
         self.log.flush()  # what the broker acknowledged
         pending, self.pending = self.pending, defaultdict(list)
+        if self.acknowledged is not None:
+            self.acknowledged(sum(len(records) for records in pending.values()))
         for partition, records in pending.items():
             self.offsets[partition] += len(records)
             self.local.records_applied(partition, records, self.offsets[partition])
@@ -459,6 +464,15 @@ def partition_of(key: str) -> int:
 def messages(users: int, events: int, now_ms: int, seed: int) -> Iterator[tuple[int, list[bytes]]]:
     """The load's (partition, packs), see :func:`pack_changes`."""
     return pack_changes(changes(users, events, now_ms, seed))
+
+
+def numbered(stream: Iterable[tuple[int, list[bytes]]]) -> Iterator[tuple[int, int, bytes]]:
+    """Each message of ``stream`` as (partition, offset, body), offsets from 1."""
+    offsets: dict[int, int] = defaultdict(int)
+    for partition, packs in stream:
+        for body in packs:
+            offsets[partition] += 1
+            yield partition, offsets[partition], body
 
 
 def pack_changes(stream: Iterable[RegionalChange]) -> Iterator[tuple[int, list[bytes]]]:
@@ -922,22 +936,54 @@ async def recover_disk(
     }
 
 
-def rebuild_disk(folder: Path, engine: FeatureEngine, at_ms: int, digest: int) -> dict[str, Any]:
+def rebuild_lost(folder: Path, engine: FeatureEngine) -> tuple[LocalStates, dict[str, Any]]:
     """A lost disk: an empty folder rebuilt from the changelog file (as a worker reads
-    a partition its folder lacks: whole), by batches of REBUILD_BATCH records."""
+    a partition its folder lacks: whole), by batches of REBUILD_BATCH records; the
+    rebuilt store (open) and the rebuild's figures."""
     gc.collect()
     started = time.perf_counter()
     local = open_states(folder / "rebuilt", engine)
     offsets = dict.fromkeys(range(PARTITIONS), -1)
     records, _ = apply_frames(local, read_frames(folder / "changelog.log"), offsets)
     rebuild_s = time.perf_counter() - started
-    total, _without, _entities, _rows = store_digest(engine, stored_states(local), at_ms)
-    local.close()
-    return {
+    return local, {
         "rebuild_s": round(rebuild_s, 2),
         "rebuild_records": records,
-        "rebuilt_equal": total == digest,
+        "rebuild_records_per_s": round(records / rebuild_s),
     }
+
+
+def rebuild_disk(folder: Path, engine: FeatureEngine, at_ms: int, digest: int) -> dict[str, Any]:
+    """A lost disk rebuilt (``rebuild_lost``); exact if every vector is the one before."""
+    local, found = rebuild_lost(folder, engine)
+    total, _without, _entities, _rows = store_digest(engine, stored_states(local), at_ms)
+    local.close()
+    return {**found, "rebuilt_equal": total == digest}
+
+
+def raw_digest(local: LocalStates) -> str:
+    """A digest of every key and value each partition's database holds, in key order:
+    records, saved offsets and renewal index alike."""
+    digest = hashlib.blake2b(digest_size=16)
+    for partition in range(PARTITIONS):
+        digest.update(b"\x00partition %d" % partition)
+        for key, value in local.partition(partition).db.items():
+            digest.update(b"%d:%d:" % (len(key), len(value)) + key + value)
+    return digest.hexdigest()
+
+
+def rebuild_bulk(folder: Path, engine: FeatureEngine) -> dict[str, Any]:
+    """The bulk-built folder's disk lost, after every worker on it (load, patterns,
+    kill -9, restart): rebuilt from the changelog file (``rebuild_lost``); exact if
+    it holds byte for byte what the folder it replaces holds (every state, each
+    partition's offset, the renewal index): a full digest of both, at every size."""
+    local, found = rebuild_lost(folder, engine)
+    rebuilt = raw_digest(local)
+    local.close()
+    kept = open_states(folder / "state", engine)
+    before = raw_digest(kept)
+    kept.close()
+    return {**found, "rebuilt_digest": rebuilt, "rebuilt_equal": rebuilt == before}
 
 
 # -- a bulk-built state (large sizes) ----------------------------------------------------------
@@ -948,7 +994,7 @@ SAMPLE = 200  # entities recomputed from their events, checked against the store
 NEW_EVENTS = 50_000  # per access pattern over the big state (two changes each)
 PATTERNS = ("round", "uniform", "hot")
 HOT_SHARE, HOT_EVENTS = 0.1, 0.9  # "hot": 90% of events on 10% of the users and items
-KILL_AFTER = 2  # checkpoints the killed worker completes before its kill -9
+KILL_AT = 2  # the killed worker's checkpoint its kill -9 lands in (the first completes)
 NEW_LSN = 10**11  # new changes: after every change of the load
 KILL_LSN = 9 * NEW_LSN  # the killed worker's: after the patterns'
 
@@ -1125,7 +1171,9 @@ async def measure_patterns(
 def killed_worker(
     folder: str, load_args: tuple[int, int, int, int], budget: int, checkpoint_s: float, out: Any
 ) -> None:
-    """The worker killed with kill -9 during load (a process of its own)."""
+    """The worker killed with kill -9 during load (a process of its own): it says so
+    from inside its KILL_AT-th checkpoint, between the broker's acknowledgement
+    and the store's write (records past the saved offsets: a tail), and waits."""
     asyncio.run(_killed_worker(Path(folder), Load(*load_args), budget, checkpoint_s, out))
 
 
@@ -1152,35 +1200,33 @@ async def _killed_worker(
         acker=FileAcker(folder / "acked"),
     )
     runtime.resumed(list(range(PARTITIONS)))
-    offsets = dict.fromkeys(range(PARTITIONS), 0)
-    told = False
-    for partition, packs in kill_stream(load):
-        for body in packs:
-            offsets[partition] += 1
-            await runtime.on_message(Delivery(partition, offsets[partition]), body)
-            clock.now += MESSAGE_S
-            await runtime.tick()
-            task = runtime._checkpoint_task
-            if task is not None and not task.done():
-                await task
-            if not told and changelog.closes >= KILL_AFTER:
-                gc.collect()
-                # Kill me now, in the middle of the load; a worker alone in its
-                # process over the built state: its resident memory.
-                out.send(("loading", rss_mb()))
-                told = True
-    out.send(("done", rss_mb()))
-    await asyncio.sleep(3600)  # killed
+
+    def kill_me(unstored: int) -> None:
+        if changelog.closes + 1 < KILL_AT:
+            return
+        gc.collect()
+        # Kill me now, in the middle of the load, with ``unstored`` records in the
+        # changelog past the store's saved offsets (the tail a restart replays);
+        # a worker alone in its process over the built state: its resident memory.
+        out.send(("loading", rss_mb(), unstored))
+        signal.pause()  # until the kill -9
+
+    changelog.acknowledged = kill_me
+    await apply_messages(runtime, clock, kill_stream(load), dict.fromkeys(range(PARTITIONS), 0))
+    out.send(("done", rss_mb(), 0))
+    signal.pause()  # until the kill -9
 
 
 async def restart_after_kill(
     folder: Path, load: Load, engine: FeatureEngine, budget: int, checkpoint_s: float
 ) -> dict[str, Any]:
-    """A worker killed (kill -9) during load, then restarted on its folder: from
-    opening it (the changelog's tail after the saved offsets applied) to the first
-    message after the committed offsets applied and its vectors written (fresh
-    writes served); then the rest of the stream, and the touched entities checked
-    against their recomputation (0 lost, 0 counted twice)."""
+    """A worker killed (kill -9) during load, inside its KILL_AT-th checkpoint once
+    the changelog holds the checkpoint's records and before its store does, then
+    restarted on its folder: from opening it (that tail after the saved offsets
+    applied) to the first message after the committed offsets that writes a vector
+    (fresh writes served; the messages before it are the tail's, delivered again);
+    then the rest of the stream, and the touched entities checked against their
+    recomputation (0 lost, 0 counted twice)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     load_args = (load.users, load.events, load.now_ms, load.seed)
@@ -1190,7 +1236,7 @@ async def restart_after_kill(
     process.start()
     send.close()
     try:
-        said, worker_rss = receive.recv()
+        said, worker_rss, unstored = receive.recv()
         during = said == "loading"
     except EOFError:
         process.join()
@@ -1210,18 +1256,17 @@ async def restart_after_kill(
     )
     runtime.resumed(list(range(PARTITIONS)))
     acked = read_acks(folder / "acked")
-    offsets = dict.fromkeys(range(PARTITIONS), 0)
-    first: tuple[int, int, bytes] | None = None
-    for partition, packs in stream:  # the first message after the committed offsets
-        for body in packs:
-            offsets[partition] += 1
-            if first is None and offsets[partition] > acked.get(partition, 0):
-                first = (partition, offsets[partition], body)
-    skip = dict(acked)
-    if first is not None:
-        await runtime.on_message(Delivery(first[0], first[1]), first[2])
-        await runtime.flush()
-        skip[first[0]] = first[1]
+    skip, held = dict(acked), 0
+    # From the committed offsets on, until a message writes a vector: the first
+    # ones the tail already holds (unacknowledged: delivered again) write nothing.
+    for partition, offset, body in numbered(stream):
+        if offset > acked.get(partition, 0):
+            await runtime.on_message(Delivery(partition, offset), body)
+            await runtime.flush()
+            skip[partition] = offset
+            if cache.ops:
+                break
+            held += 1
     recovery_s = time.perf_counter() - started
     served = cache.ops > 0
     await apply_messages(runtime, clock, stream, dict.fromkeys(range(PARTITIONS), 0), skip)
@@ -1244,8 +1289,10 @@ async def restart_after_kill(
         "killed_during_load": during,
         "worker_rss_mb": round(worker_rss),
         "kill_acked_messages": sum(acked.values()),
+        "kill_unstored_records": unstored,
         "kill_tail_records": tail,
         "kill_tail_s": round(tail_s, 3),
+        "kill_held_messages": held,
         "kill_recovery_s": round(recovery_s, 3),
         "kill_fresh_served": served,
         "kill_checked": len(keys),
@@ -1273,7 +1320,8 @@ async def _load_bulk(
     memory_mb: float,
 ) -> dict[str, Any]:
     """Build the state in bulk, check it, then measure a worker over it: the access
-    patterns' changes/s and its RSS, and a kill -9 during load and its restart."""
+    patterns' changes/s and its RSS, a kill -9 during load and its restart, and the
+    folder's disk lost and rebuilt from the changelog."""
     load = Load(users, events, int(now_s * 1000), seed)
     engine = FeatureEngine(settings().entities)
     budget = int(memory_mb * 2**20)
@@ -1318,6 +1366,7 @@ async def _load_bulk(
     result["new_changes"] = 2 * count
     result.update(await measure_patterns(folder, load, engine, budget, checkpoint_s, count))
     result.update(await restart_after_kill(folder, load, engine, budget, checkpoint_s))
+    result.update(rebuild_bulk(folder, engine))
     return result
 
 
@@ -1438,8 +1487,11 @@ BULK_COLUMNS = (
     ("worker_rss_mb", "worker RSS MB"),
     ("peak_cache_mb", "peak cache MB"),
     ("kill_tail_records", "tail records"),
+    ("kill_tail_s", "tail s"),
     ("kill_recovery_s", "kill -9 to fresh write s"),
     ("kill_equal", "exact after kill"),
+    ("rebuild_s", "lost-disk rebuild s"),
+    ("rebuilt_equal", "rebuilt exact"),
     ("sample_equal", "built = recomputed"),
 )
 
@@ -1450,15 +1502,17 @@ BULK_RATIOS = (
     ("rss_mb", "RSS"),
     ("worker_rss_mb", "worker RSS"),
     ("kill_recovery_s", "kill -9 to fresh write"),
+    ("rebuild_s", "lost-disk rebuild"),
 )
 
 
 def print_bulk_ratios(bulk: list[dict[str, Any]]) -> None:
-    """Each bulk-built size's figures over the smallest's (one run: one machine)."""
-    base = min(bulk, key=lambda r: r["users"])
-    print("| users | " + " | ".join(f"{t} / {base['users']:,}'s" for _, t in BULK_RATIOS) + " |")
+    """Each bulk-built size's figures over the smallest's of its run (one machine)."""
+    print("| users | " + " | ".join(f"{t} / smallest's" for _, t in BULK_RATIOS) + " |")
     print("|" + "---|" * (len(BULK_RATIOS) + 1))
     for result in bulk:
+        run = [r for r in bulk if r.get("run", 0) == result.get("run", 0)]
+        base = min(run, key=lambda r: r["users"])
         cells = [
             _ratio(result[key], base[key]) if key in result and key in base else "-"
             for key, _ in BULK_RATIOS
@@ -1509,19 +1563,27 @@ BULK_LINES = {  # panel -> (figure, label, style) of the bulk-built runs
         (f"{p}_changes_per_s", f"bulk-built state on disk: new changes, {p} access", style)
         for p, style in zip(PATTERNS, (":", "-.", "--"), strict=True)
     ),
-    "recovery_s": (("kill_recovery_s", "bulk-built state on disk: kill -9 during load", "-."),),
+    "recovery_s": (
+        ("kill_recovery_s", "bulk-built state on disk: kill -9 during load", "-."),
+        ("rebuild_s", "bulk-built state on disk: a lost disk rebuilt from the changelog", ":"),
+    ),
 }
 
 
-def _plot_bulk(axis: Any, key: str, bulk: list[dict[str, Any]]) -> None:
-    users = [r["users"] for r in bulk]
-    for figure, label, style in BULK_LINES.get(key, ()) if bulk else ():
-        axis.plot(users, [r[figure] for r in bulk], style, marker="s", label=label)
+def _draw(axis: Any, found: list[dict[str, Any]], key: str, label: str, **style: Any) -> None:
+    """A line of ``key`` against users per run (``run``: the --replot file it came
+    from), in one colour (``style``'s, given), in the legend once."""
+    for run in sorted({r.get("run", 0) for r in found}):
+        points = sorted((r["users"], r[key]) for r in found if r.get("run", 0) == run and key in r)
+        if points:
+            users, values = zip(*points, strict=True)
+            axis.plot(users, values, label=label, **style)
+            label = "_"  # matplotlib leaves labels starting with _ out of the legend
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """Memory, changes/s, checkpoint and recovery time against users (log scale), a
-    line per mode."""
+    line per mode and run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1545,20 +1607,22 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             else f"edgefeed, states on disk ({found[0]['memory_mb']:g} MB budget)"
         )
         lines.append((mode, "", label, "-"))
+    colours: dict[str, str] = {}
+
+    def draw(axis: Any, found: list[dict[str, Any]], key: str, label: str, **style: Any) -> None:
+        colour = colours.setdefault(label, f"C{len(colours) % 10}")
+        _draw(axis, found, key, label, color=colour, **style)
+
+    bulk = [r for r in results if r["mode"] == "bulk"]
     for axis, (key, title) in zip(axes.flat, panels, strict=True):
         for mode, _, label, style in lines:
             found = [r for r in results if r["mode"] == mode]
-            users = [r["users"] for r in found]
-            axis.plot(users, [r[key] for r in found], style, marker="o", label=label)
+            draw(axis, found, key, label, linestyle=style, marker="o")
             if key == "recovery_s" and mode == "disk":
-                axis.plot(
-                    users,
-                    [r["rebuild_s"] for r in found],
-                    "--",
-                    marker="x",
-                    label="states on disk: a lost disk rebuilt from the changelog",
-                )
-        _plot_bulk(axis, key, [r for r in results if r["mode"] == "bulk"])
+                rebuilt = "states on disk: a lost disk rebuilt from the changelog"
+                draw(axis, found, "rebuild_s", rebuilt, linestyle="--", marker="x")
+        for field, label, style in BULK_LINES.get(key, ()):
+            draw(axis, bulk, field, label, linestyle=style, marker="s")
         axis.set_xscale("log")
         if key != "changes_per_s":
             axis.set_yscale("log")
@@ -1566,7 +1630,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         axis.set_xlabel("users in the region")
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize="small")
-    figure.suptitle(f"A regional worker's state against its entities ({platform.machine()})")
+    runs = len({r.get("run", 0) for r in results})
+    each = f"; {runs} runs, a line each" if runs > 1 else ""
+    figure.suptitle(f"A regional worker's state against its entities ({platform.machine()}{each})")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -1614,7 +1680,11 @@ def main() -> None:
     checkpoint_s = 0.1 if args.smoke else 1.0
     now_s = time.time()  # one read time for every run: their vectors compare
     if args.replot:
-        results = [r for path in args.replot for r in json.loads(path.read_text())]
+        results = [
+            {**r, "run": n}
+            for n, path in enumerate(args.replot)
+            for r in json.loads(path.read_text())
+        ]
         sizes, args.bulk = [], []
         memory_mb = next((r["memory_mb"] for r in results if "memory_mb" in r), memory_mb)
     else:

@@ -55,9 +55,18 @@ def test_bulk_built_store_restarts_into_the_apply_paths_states() -> None:
     assert bulk["dead_lettered"] == 0
     for pattern in ("round", "uniform", "hot"):
         assert bulk[f"{pattern}_changes_per_s"] > 0
-    # Killed with kill -9 during a load and restarted on the same folder, the worker
-    # serves a fresh write, and every entity checked equals its recomputation from
-    # all its changes: none lost, none counted twice.
+    # Killed with kill -9 during a load, inside a checkpoint whose records the
+    # changelog holds and the store does not yet, and restarted on the same folder:
+    # the worker replays exactly those records (the changelog's tail after the
+    # saved offsets, not 0), serves a fresh write, and every entity checked equals
+    # its recomputation from all its changes: none lost, none counted twice (the
+    # tail's changes are delivered again: unacknowledged).
     assert bulk["killed_during_load"] is True
+    assert bulk["kill_unstored_records"] > 0
+    assert bulk["kill_tail_records"] == bulk["kill_unstored_records"]
     assert bulk["kill_fresh_served"] is True
     assert bulk["kill_checked"] > 0 and bulk["kill_equal"] is True
+    # A lost disk: an empty folder rebuilt from the changelog holds byte for byte
+    # what the folder it replaces holds (states, saved offsets, renewal index).
+    assert bulk["rebuild_records"] >= bulk["changelog_records"]
+    assert bulk["rebuilt_equal"] is True
