@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ class KafkaClients:
 
         try:
             with self.errors(doing):
-                return make(kafka_client=net_client, **config)
+                made = make(kafka_client=net_client, **config)
         except BaseException:
             # kafka-python 3.0 starts its IO thread before it connects, and an admin
             # client that cannot connect leaves that thread running: a monitor
@@ -203,6 +204,8 @@ class KafkaClients:
             for client in built:
                 _shut(client)
             raise
+        _close_sockets_on_close(made, built)
+        return made
 
     @contextmanager
     def errors(self, doing: str) -> Iterator[None]:
@@ -349,6 +352,7 @@ def _close_refused_sockets() -> None:
     ) -> Any:
         family, sock_type, proto, _canonname, sockaddr = addrinfo
         sock = self.socket(family, sock_type, proto)
+        _SOCKETS.setdefault(net, weakref.WeakSet()).add(sock)
         try:
             sock.setblocking(False)
             for option in socket_options:
@@ -360,6 +364,37 @@ def _close_refused_sockets() -> None:
 
     KafkaNetSocket.connect = connect
     KafkaNetSocket._edgefeed_closes_refused = True
+
+
+# Each kafka-python event loop (a KafkaNetClient's ``_net``) -> the sockets its
+# connections opened: what :func:`_close_sockets_on_close` closes after the client.
+_SOCKETS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+def _close_sockets_on_close(client: Any, built: Sequence[Any]) -> None:
+    """Make ``client.close()`` also close every socket its connections opened.
+
+    kafka-python 3.0.12 closes the connections it holds, but a connection still
+    being set up when the client closes (its connect coroutine never resumed once
+    the IO loop stopped) drops its connected socket unclosed: CPython closes it when
+    it is freed, with a ResourceWarning, in whatever code runs then (found by the
+    test suite, which turns that warning into an error). Closing a socket twice is
+    harmless.
+    """
+    close = client.close
+
+    def close_all(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return close(*args, **kwargs)
+        finally:
+            for net_client in built:
+                with suppress(TypeError):  # no loop, or one that takes no weak reference
+                    opened = list(_SOCKETS.get(net_client._net, ()))
+                    for sock in opened:
+                        with suppress(OSError):
+                            sock.close()
+
+    client.close = close_all
 
 
 def _shut(client: Any) -> None:

@@ -229,3 +229,39 @@ def test_authorized_operations_with_unknown_codes_are_read_not_refused() -> None
     assert read["authorized_operations"][:2] == ["READ", "WRITE"]
     assert "DESCRIBE_TOKENS" in read["authorized_operations"]
     assert len(read["authorized_operations"]) == 12  # codes 3..14
+
+
+def test_closing_a_client_closes_the_sockets_its_connections_left_open() -> None:
+    """kafka-python 3.0.12 drops the connected socket of a connection still being set
+    up when its client closes (freed later with a ResourceWarning, in whatever code
+    runs then): closing a client built by KafkaClients closes every socket its
+    connections opened, and the client's own close still runs."""
+    import weakref
+
+    from edgefeed_base.kafkaclients import _SOCKETS, _close_sockets_on_close
+
+    class Net:  # stands for a KafkaNetClient's IO loop
+        pass
+
+    class NetClient:
+        def __init__(self) -> None:
+            self._net = Net()
+
+    class Client:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    net_client, client = NetClient(), Client()
+    left, peer = socket.socketpair()
+    _SOCKETS.setdefault(net_client._net, weakref.WeakSet()).add(left)
+    _close_sockets_on_close(client, [net_client])
+    try:
+        assert left.fileno() != -1
+        client.close()
+        assert client.closed
+        assert left.fileno() == -1, "the socket the client's connection left open"
+    finally:
+        left.close()
+        peer.close()
