@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from benchrun import run_benchmark
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "sites.py"
-
 
 def test_sites_benchmark_smoke_run_measures_every_phase_and_the_link() -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = run_benchmark("sites.py", "--smoke", "--json", timeout=600)
     report = json.loads(result.stdout)
     phases = {phase["phase"]: phase for phase in report["phases"]}
     assert set(phases) == {"single", "link", "raw"}
@@ -40,14 +29,7 @@ def test_partition_benchmark_smoke_run_cuts_eu_west_and_it_catches_up() -> None:
     site behind its link, central <-> eu-west cut once. Functional only: what an
     operator and a client see during the cut, the catch-up, and every region equal
     to a recomputation afterwards (the timings are docs/benchmarks.md's)."""
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--phases", "partition", "--smoke", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = run_benchmark("sites.py", "--phases", "partition", "--smoke", "--json", timeout=600)
     (phase,) = json.loads(result.stdout)["phases"]
     # no cut, cut, and the closing no-cut window
     assert [w["cut"] for w in phase["windows"]] == [False, True, False]

@@ -7,33 +7,14 @@ events before their commit (leakage) and the training set does not."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from benchrun import run_benchmark
 
 
 def test_history_benchmark_small_run_agrees_with_pandas() -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "history.py"),
-            "--users",
-            "50",
-            "--events",
-            "3000",
-            "--spine",
-            "2000",
-            "--check",
-            "2000",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    completed = run_benchmark(
+        "history.py", "--users", "50", "--events", "3000", "--spine", "2000", "--check", "2000"
     )
-    assert completed.returncode == 0, completed.stderr
     out = completed.stdout
     assert "without the late events: pandas equals edgefeed on all 6 features" in out, out
     assert "the first 2,000 rows equal the reference replay (all features)" in out, out

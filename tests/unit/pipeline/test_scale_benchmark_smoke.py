@@ -7,12 +7,9 @@ change at once after a restart, and recover (or rebuild a lost disk) exactly."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
+from benchrun import run_benchmark
 
 
 def check_load(result: dict[str, Any]) -> None:
@@ -30,14 +27,7 @@ def check_load(result: dict[str, Any]) -> None:
 
 
 def test_scale_benchmark_smoke_run() -> None:
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--smoke", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_benchmark("scale.py", "--smoke", "--json")
     memory, disk = json.loads(completed.stdout)
     assert (memory["mode"], disk["mode"]) == ("memory", "disk")
 

@@ -7,31 +7,12 @@ a kill -9 over it) exactly."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from benchrun import run_benchmark
 
 
 def test_bulk_built_store_restarts_into_the_apply_paths_states() -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "scale.py"),
-            "--smoke",
-            "--mode",
-            "disk",
-            "--bulk",
-            "500",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_benchmark("scale.py", "--smoke", "--mode", "disk", "--bulk", "500", "--json")
     disk, bulk = json.loads(completed.stdout)
     assert (disk["mode"], bulk["mode"]) == ("disk", "bulk")
     assert bulk["users"] == disk["users"] == 500

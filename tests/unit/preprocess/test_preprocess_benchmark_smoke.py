@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from benchrun import run_benchmark
 
 
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "preprocess.json"
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "preprocess.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_benchmark("preprocess.py", "--smoke", "--out", str(out), timeout=120)
     results = json.loads(out.read_text())
     assert results["smoke"] is True
     tensors = results["tensors"]

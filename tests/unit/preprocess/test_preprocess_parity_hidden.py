@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchrun import run_benchmark
 from test_preprocess_parity_sweep import TOLERANCES  # type: ignore[import-not-found]
 
 BENCHMARK = Path(__file__).resolve().parents[3] / "benchmarks" / "preprocess_parity.py"
@@ -62,14 +61,7 @@ def test_hidden_photos_stay_within_the_stated_tolerance(
 
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"
-    completed = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stdout + completed.stderr
+    completed = run_benchmark("preprocess_parity.py", "--smoke", "--out", str(out), timeout=120)
     results = json.loads(out.read_text())
     assert results["smoke"] is True and results["rows"]
     assert all(summary["within"] for summary in results["summary"].values())
