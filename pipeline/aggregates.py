@@ -10,7 +10,7 @@ and how to read its features' values from that index.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -18,6 +18,11 @@ from pipeline.windows import EXACT_SCALE, GroupSpec, TableIndex, WindowKey, top_
 
 if TYPE_CHECKING:
     from pipeline.settings import AggregateFeature
+    from pipeline.windows import _Group
+
+Reader = Callable[[TableIndex, Mapping[str, list[Any]]], list[Any]]
+"""One declared aggregate's read bound to its window, filter and column: the index of
+its table and the table's rows -> its features' values (:meth:`Aggregate.reader`)."""
 
 __all__ = ["AGGREGATES", "Aggregate", "AggregateRead", "FeatureDtype", "aggregate_kind"]
 
@@ -62,69 +67,100 @@ class Aggregate(ABC):
     def read(self, at: AggregateRead) -> list[Any]:
         """The values of the aggregate's features (one, or ``n``)."""
 
+    def reader(
+        self, window: WindowKey | None, where: tuple[tuple[str, Any], ...], column: str, n: int
+    ) -> Reader:
+        """:meth:`read` bound to one declaration, resolved once: a vector reads every
+        aggregate several times per cache write (its schedule)."""
+
+        def read(index: TableIndex, rows: Mapping[str, list[Any]]) -> list[Any]:
+            return self.read(AggregateRead(index, rows, window, where, column, n))
+
+        return read
+
+
+class _GroupAggregate(Aggregate):
+    """An aggregate read from its window group's accumulators alone."""
+
+    @abstractmethod
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        """The values of the aggregate's features from its group's accumulators."""
+
+    def read(self, at: AggregateRead) -> list[Any]:
+        return self.value(at.index.group(at.window, at.where), at.column, at.n)
+
+    def reader(
+        self, window: WindowKey | None, where: tuple[tuple[str, Any], ...], column: str, n: int
+    ) -> Reader:
+        value = self.value
+
+        def read(index: TableIndex, rows: Mapping[str, list[Any]]) -> list[Any]:
+            return value(index.windows[window].groups[where], column, n)
+
+        return read
+
 
 def _padded(values: list[Any], n: int) -> list[Any]:
     return values + [None] * (n - len(values))
 
 
-class Count(Aggregate):
+class Count(_GroupAggregate):
     name = "count"
     needs_column = False
     default_dtype = "int64"
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        return [at.index.group(at.window, at.where).count]
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        return [group.count]
 
 
-class Sum(Aggregate):
+class Sum(_GroupAggregate):
     name = "sum"
     numeric = True
 
     def require(self, group: GroupSpec, column: str) -> None:
         group.sums.add(column)
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        return [at.index.group(at.window, at.where).sums[at.column] / EXACT_SCALE]
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        return [group.sums[column] / EXACT_SCALE]
 
 
 class Mean(Sum):
     name = "mean"
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        group = at.index.group(at.window, at.where)
-        present = group.present[at.column]
-        return [group.sums[at.column] / (present * EXACT_SCALE) if present else None]
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        present = group.present[column]
+        return [group.sums[column] / (present * EXACT_SCALE) if present else None]
 
 
-class Min(Aggregate):
+class Min(_GroupAggregate):
     name = "min"
     numeric = True
 
     def require(self, group: GroupSpec, column: str) -> None:
         group.sorted.add(column)
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        ordered = at.index.group(at.window, at.where).values[at.column]
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        ordered = group.values[column]
         return [ordered[0] if ordered else None]
 
 
 class Max(Min):
     name = "max"
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        ordered = at.index.group(at.window, at.where).values[at.column]
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        ordered = group.values[column]
         return [ordered[-1] if ordered else None]
 
 
-class DistinctCount(Aggregate):
+class DistinctCount(_GroupAggregate):
     name = "distinct_count"
     default_dtype = "int64"
 
     def require(self, group: GroupSpec, column: str) -> None:
         group.distinct.add(column)
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        return [len(at.index.group(at.window, at.where).counters[at.column])]
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        return [len(group.counters[column])]
 
 
 class _Ranked(Aggregate):
@@ -150,7 +186,7 @@ class LastN(_Ranked):
         return _padded(picked, at.n)
 
 
-class TopK(_Ranked):
+class TopK(_Ranked, _GroupAggregate):
     """The ``n`` most frequent values, most frequent first."""
 
     name = "top_k"
@@ -159,8 +195,8 @@ class TopK(_Ranked):
         group.distinct.add(column)
         group.stamped.add(column)
 
-    def read(self, at: AggregateRead) -> list[Any]:
-        return _padded(top_values(at.index.group(at.window, at.where), at.column, at.n), at.n)
+    def value(self, group: _Group, column: str, n: int) -> list[Any]:
+        return _padded(top_values(group, column, n), n)
 
 
 AGGREGATES: dict[str, Aggregate] = {

@@ -35,11 +35,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from connectors.settings import TableSettings
 from edge_cache import Delete, Feature, FeatureSchema, Position, Schedule, Upsert
-from pipeline.aggregates import Aggregate, AggregateRead
+from pipeline.aggregates import Aggregate, Reader
 from pipeline.exceptions import PoisonEventError
 from pipeline.messages import MAX_TIME_MS, RegionalChange
 from pipeline.rows import DEL as _DEL
@@ -281,6 +282,23 @@ class _AggregatePlan:
     where: tuple[tuple[str, Any], ...]
     column: str
     names: tuple[str, ...]
+    read: Reader  # kind's read bound to the above, resolved once
+
+
+def _plan(
+    kind: Aggregate,
+    table: str,
+    window: WindowKey | None,
+    where: tuple[tuple[str, Any], ...],
+    column: str,
+    names: tuple[str, ...],
+) -> _AggregatePlan:
+    return _AggregatePlan(
+        kind, table, window, where, column, names, kind.reader(window, where, column, len(names))
+    )
+
+
+_NO_ROWS: Mapping[str, list[Any]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +355,7 @@ class EntityEngine:
         self._dtypes = {feature.name: feature.dtype for feature in self.schema.features}
         # What reading each aggregate needs, resolved once (not per vector).
         self._reads = [
-            _AggregatePlan(
+            _plan(
                 a.kind,
                 a.table,
                 a.window.key if a.window else None,
@@ -636,24 +654,30 @@ class EntityEngine:
             values.update(self._aggregates(state, None))
             return self._checked(values), None
         indexes = self._index(state, now_ms)
+        # Each window's own change times: at a read time of the schedule, only the
+        # windows whose rows change then need to move (the others' rows stay).
+        moves = {
+            table: index.window_changes_after(now_ms, self.slots + 1)
+            for table, index in indexes.items()
+        }
         times: set[int] = set()
-        for index in indexes.values():
-            times.update(index.changes_after(now_ms, self.slots + 1))
+        for changes in moves.values():
+            for window_times in changes.values():
+                times.update(window_times)
         points = sorted(times)[: self.slots + 1]
         # The windows move forward through the read times, each step only over the rows
         # between two, and back once at the end.
         self._checked(values)
-        vectors = [
-            values | aggregates
-            for aggregates in self._aggregates_at(state, [now_ms, *points[: self.slots]], stay=True)
-        ]
-        base = vectors[0]
+        # The latest values are the same at every read time: the aggregates alone tell
+        # whether a read time takes on a new vector.
+        read = self._aggregates_at(state, [now_ms, *points[: self.slots]], stay=True, moves=moves)
+        base = values | read[0]
         patches: list[tuple[int, dict[str, Any]]] = []
-        previous = base
-        for at, vector in zip(points, vectors[1:], strict=False):
-            if vector != previous:
-                patches.append((at * 1000, vector))
-                previous = vector
+        previous = read[0]
+        for at, aggregates in zip(points, read[1:], strict=False):
+            if aggregates != previous:
+                patches.append((at * 1000, values | aggregates))
+                previous = aggregates
         until = points[self.slots] * 1000 if len(points) > self.slots else None
         return base, Schedule(tuple(patches), until)
 
@@ -678,12 +702,24 @@ class EntityEngine:
         return self._aggregates_at(state, [at_ms])[0]
 
     def _aggregates_at(
-        self, state: Mapping[str, Any], times: list[int], *, stay: bool = False
+        self,
+        state: Mapping[str, Any],
+        times: list[int],
+        *,
+        stay: bool = False,
+        moves: Mapping[str, Mapping[WindowKey | None, set[int]]] | None = None,
     ) -> list[dict[str, Any]]:
         """The aggregates with windows read at each of ``times``: after the first, only
         the aggregates of windows whose rows changed are read again. The windows then
         go back to the newest event, or with ``stay`` to ``times[0]`` (the next
-        schedule starts near there: moving is cheap when little lies between)."""
+        schedule starts near there: moving is cheap when little lies between).
+
+        Args:
+            moves: Table -> window -> the read times after ``times[0]`` at which its
+                rows change, every one up to ``times[-1]``
+                (:meth:`TableIndex.window_changes_after`): after the first time, a
+                window moves only at its own.
+        """
         indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
         all_rows = state["rows"]
         out: list[dict[str, Any]] = []
@@ -691,11 +727,17 @@ class EntityEngine:
             for at_ms in times:
                 changed: set[tuple[str, WindowKey | None]] = set()
                 for table, index in indexes.items():
+                    only = None
+                    if moves is not None and out:
+                        only = [k for k, ts in moves[table].items() if at_ms in ts]
                     changed.update(
-                        (table, key) for key in index.view(at_ms, all_rows.get(table, {}))
+                        (table, key)
+                        for key in index.view(at_ms, all_rows.get(table, _NO_ROWS), only)
                     )
                 if not out:
                     out.append(self._checked(self._read_aggregates(indexes, all_rows)))
+                elif not changed:
+                    out.append(out[-1])  # callers copy what they keep
                 else:
                     values = dict(out[-1])
                     values.update(self._checked(self._read_aggregates(indexes, all_rows, changed)))
@@ -719,16 +761,8 @@ class EntityEngine:
         for plan in self._reads:
             if only is not None and (plan.table, plan.window) not in only:
                 continue
-            read = AggregateRead(
-                index=indexes[plan.table],
-                rows=all_rows.get(plan.table, {}),
-                window=plan.window,
-                where=plan.where,
-                column=plan.column,
-                n=len(plan.names),
-            )
             try:
-                computed = plan.kind.read(read)
+                computed = plan.read(indexes[plan.table], all_rows.get(plan.table, _NO_ROWS))
             except OverflowError:  # an exact sum beyond any float
                 computed = [None] * len(plan.names)
             values.update(zip(plan.names, computed, strict=True))
@@ -738,7 +772,17 @@ class EntityEngine:
         """``values`` with what its feature's dtype cannot hold set missing."""
         dtypes = self._dtypes
         for name, value in values.items():
-            if value is not None and not _fits(dtypes[name], value):
+            if value is None:
+                continue
+            # The common cases first, as _fits decides them (it is called per value
+            # of every vector of a schedule).
+            kind = type(value)
+            if kind is int:
+                if dtypes[name] == "int64" and -(2**63) <= value < 2**63:
+                    continue
+            elif kind is float and dtypes[name] == "float64" and math.isfinite(value):
+                continue
+            if not _fits(dtypes[name], value):
                 values[name] = None
         return values
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -320,12 +320,24 @@ class TableIndex:
         if self.at is None:
             self._shift(ref, rows)
 
-    def view(self, t: int, rows: Mapping[str, list[Any]]) -> list[WindowKey | None]:
+    def view(
+        self,
+        t: int,
+        rows: Mapping[str, list[Any]],
+        only: Iterable[WindowKey | None] | None = None,
+    ) -> list[WindowKey | None]:
         """Set the windows as read at time ``t`` (they stay there, changes applied as
         of then, until the next view or :meth:`restore`); the keys of the windows
-        whose rows changed."""
+        whose rows changed.
+
+        Args:
+            only: Move these windows alone: the caller knows that no row enters or
+                leaves the others between where they stand and ``t`` (their read time
+                changes, their rows do not; a later move takes them on from where
+                they stand, over the rows between only, which is the same).
+        """
         self.at = t
-        return self._shift(t, rows)
+        return self._shift(t, rows, only)
 
     def restore(self, rows: Mapping[str, list[Any]]) -> None:
         """Set the windows back as of the newest event."""
@@ -336,13 +348,29 @@ class TableIndex:
     def changes_after(self, after: int, n: int) -> list[int]:
         """The first ``n`` read times after ``after`` at which any window changes."""
         times: set[int] = set()
-        for window in self.windows.values():
-            times.update(window.spec.changes_after(self.order, after, n))
+        for changes in self.window_changes_after(after, n).values():
+            times.update(changes)
         return sorted(times)[:n]
 
-    def _shift(self, ref: int, rows: Mapping[str, list[Any]]) -> list[WindowKey | None]:
+    def window_changes_after(self, after: int, n: int) -> dict[WindowKey | None, set[int]]:
+        """Each window's read times after ``after`` at which its rows change: at least
+        its first ``n`` (all of them up to the ``n``-th of the union, as
+        :meth:`changes_after` takes them)."""
+        return {
+            key: set(window.spec.changes_after(self.order, after, n))
+            for key, window in self.windows.items()
+        }
+
+    def _shift(
+        self,
+        ref: int,
+        rows: Mapping[str, list[Any]],
+        only: Iterable[WindowKey | None] | None = None,
+    ) -> list[WindowKey | None]:
         changed: list[WindowKey | None] = []
-        for key, window in self.windows.items():
+        windows = self.windows
+        for key in windows if only is None else only:
+            window = windows[key]
             low, high = window.spec.interval(ref)
             a, b = window.low, window.high
             if (low, high) == (a, b):
