@@ -756,6 +756,16 @@ def build_region_app(
         if readiness is not None:
             readiness.recovered(ours)
 
+    def backlog(tp: Any, offset: int) -> int | None:
+        """Messages after ``offset`` on its partition as the consumer last heard (the
+        log end offset of its last fetch response; read from its state, no request):
+        the batch policy's "behind" (pipeline.runtime.batch). None when unknown."""
+        try:
+            highwater = app.consumer.highwater(tp)
+        except Exception:  # not assigned (a rebalance), or the consumer is stopping
+            return None
+        return None if highwater is None else max(0, int(highwater) - offset - 1)
+
     @app.agent(changes, name="features")
     async def features(stream: Any) -> None:
         acker.stream = stream
@@ -764,7 +774,14 @@ def build_region_app(
             async for event in stream.events():
                 fetch_wait.seen()
                 msg = event.message
-                delivery = Delivery(msg.partition, msg.offset, event, event.key, str(msg.topic))
+                delivery = Delivery(
+                    msg.partition,
+                    msg.offset,
+                    event,
+                    event.key,
+                    str(msg.topic),
+                    backlog(msg.tp, msg.offset),
+                )
                 await runtime.on_message(delivery, event.value or b"")
         except Exception as exc:
             # Faust would restart the agent in the same consumer, which has already

@@ -331,10 +331,14 @@ class PipelineSettings(BaseModel):
             this many worker processes.
         replication_factor: Replication factor of the topics the pipeline creates.
         batch_max: Most events a worker handles (and writes to Redis) at once.
-        batch_within_ms: Age at which a batch closes when the worker keeps up.
-        batch_catch_up: A batch also stays open until it is this many times as old
-            as the last flush took: a worker that falls behind takes bigger batches.
-            Higher values favour throughput, lower ones freshness.
+        batch_within_ms: Age at which a batch closes when the worker keeps up (it
+            has taken every message its partitions held as its consumer last
+            heard).
+        batch_catch_up: While the worker is behind (a partition holds messages
+            after the last one it took), a batch also stays open until it is this
+            many times as old as the last flush took: a worker that falls behind
+            takes bigger batches. Higher values favour throughput, lower ones
+            freshness; a worker that keeps up is not held by it.
         snapshot_lane_ms: How long a worker holds the vectors of entities that
             only snapshot reads changed (an incremental snapshot, a history
             rebuild, a feature backfill) before writing them: once per this

@@ -2,10 +2,16 @@
 
 State changes happen per change as messages arrive; the vectors and one
 pipelined cache write happen per entity per *batch*. A batch closes at
-``max_changes`` changes, or once it is ``within_s`` old and at least
-``catch_up`` times as old as the last flush took: a worker that falls behind
-takes bigger batches (the fixed cost of a flush is shared by more changes)
-instead of falling further behind.
+``max_changes`` changes, or once it is ``within_s`` old while the worker keeps
+up: once it has taken every message its partitions held (each message tells
+how many followed it on its partition as the consumer last heard,
+:attr:`Delivery.backlog`). While the worker is behind (a partition holds more),
+a batch also stays open until it is ``catch_up`` times as old as the last flush
+took: a worker that falls behind takes bigger batches (the fixed cost of a
+flush, and an entity changed many times, are shared by more changes) instead
+of falling further behind. A worker that keeps up flushes soon, whatever its
+last flush took: a batch that waits twice a flush's time is most of the
+commit -> cache latency at a steady rate (docs/benchmarks.md, "Pipeline").
 
 Entities a batch changed only by snapshot reads (op ``r``: an incremental
 snapshot's rows, a history rebuild, a feature backfill) are set apart
@@ -72,6 +78,8 @@ class RegionBatch:
     opened_at: float | None = None
     last_flush_s: float = 0.0
     read_only: set[str] = field(default_factory=set)
+    # Partition -> the backlog its last message reported (None: unknown, as behind).
+    backlogs: dict[int, int | None] = field(default_factory=dict)
 
     def add(self, delivery: Delivery, changes: int, now: float) -> None:
         """A message with ``changes`` changes joined the batch."""
@@ -79,6 +87,16 @@ class RegionBatch:
             self.opened_at = now
         self.deliveries.append(delivery)
         self.changes += changes
+        self.backlogs[delivery.partition] = delivery.backlog
+
+    def behind(self) -> bool:
+        """Whether a partition held messages after the last one taken from it (or
+        could have: its backlog is unknown)."""
+        return any(b is None or b > 0 for b in self.backlogs.values())
+
+    def reassigned(self) -> None:
+        """The worker's partitions changed: forget what the old ones held."""
+        self.backlogs.clear()
 
     def touch(self, key: str, touched: Touched, *, snapshot_read: bool = False) -> None:
         """The batch changed entity ``key`` (the newest state wins); ``snapshot_read``:
@@ -100,6 +118,8 @@ class RegionBatch:
             return None
         if self.changes >= self.policy.max_changes:
             return self.opened_at
+        if not self.behind():
+            return self.opened_at + self.policy.within_s
         return self.opened_at + max(self.policy.within_s, self.policy.catch_up * self.last_flush_s)
 
     def close(self) -> ClosedBatch:

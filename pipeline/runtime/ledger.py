@@ -39,6 +39,9 @@ class Delivery:
     handle: Any = None  # the Faust event
     key: bytes | None = None
     topic: str = ""
+    # Messages of its partition after it that the broker held as the consumer last
+    # heard (the log end offset of the last fetch, less its own); None: unknown.
+    backlog: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -311,6 +311,7 @@ class RegionRuntime:
         self.live.clear()
         self.live.update(states)
         self.progress.clear()
+        self.batch.reassigned()
         self._renew_at.clear()
         now_us = self._now_us()
         for key, state in self.live.items():
@@ -332,6 +333,7 @@ class RegionRuntime:
         pipeline.localstore) is found by range reads from its start."""
         self.live.clear()
         self.progress.clear()
+        self.batch.reassigned()
         self._renew_at.clear()
         self._renewals = []
         self._cursors = dict.fromkeys(sorted(partitions))

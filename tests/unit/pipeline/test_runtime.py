@@ -58,6 +58,40 @@ def test_a_batch_is_due_by_size_age_and_catch_up(
     assert batch.due(100.0 + age_s) is due
 
 
+# Backlogs the batch's messages reported, per partition in arrival order -> whether
+# the batch, 0.03 s old after a flush of 0.1 s (catch_up 2: 0.2 s when behind), is due.
+BACKLOG_CASES = [
+    ("every partition taken to its end: keeps up, due at within_s", [(0, 0), (1, 0)], True),
+    ("a partition holds more: behind, waits catch_up x the flush", [(0, 0), (1, 3)], False),
+    ("the partition's newest message was its last", [(0, 5), (0, 0)], True),
+    ("unknown (no consumer figure): as behind", [(0, None)], False),
+]
+
+
+@pytest.mark.parametrize(
+    ("backlogs", "due"), [c[1:] for c in BACKLOG_CASES], ids=[c[0] for c in BACKLOG_CASES]
+)
+def test_a_batch_waits_for_catch_up_only_while_a_partition_holds_more(
+    backlogs: list[tuple[int, int | None]], due: bool
+) -> None:
+    batch = RegionBatch(BatchPolicy(max_changes=5000, within_s=0.02, catch_up=2.0))
+    batch.flushed(0.1)
+    for offset, (partition, backlog) in enumerate(backlogs):
+        batch.add(Delivery(partition, offset, backlog=backlog), 10, now=100.0)
+    assert batch.due(100.03) is due
+    assert batch.due(100.21)  # behind or not, due after catch_up x the flush
+
+
+def test_a_reassignment_forgets_the_backlogs_of_the_partitions_before() -> None:
+    batch = RegionBatch(BatchPolicy(within_s=0.02, catch_up=2.0))
+    batch.flushed(0.1)
+    batch.add(Delivery(1, 7, backlog=40), 1, now=10.0)
+    assert not batch.due(10.03)
+    batch.reassigned()  # partition 1 went to another worker
+    batch.add(Delivery(0, 1, backlog=0), 1, now=10.0)
+    assert batch.due(10.03)
+
+
 def test_closing_a_batch_opens_an_empty_one() -> None:
     batch = RegionBatch()
     batch.add(Delivery(0, 1), 3, now=1.0)
