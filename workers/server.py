@@ -482,6 +482,12 @@ class InferenceServer:
                 # sub-millisecond forward pass costs more than it saves (their spinning
                 # takes the core the event loop needs next).
                 runner.apply_threads(1)
+                if self.batching.inline_forward_s > 0:
+                    # Which batches run here is decided by what they cost here (one
+                    # torch thread), not on the model thread (see calibrate_inline).
+                    self.warmup_ms[name].update(
+                        runner.calibrate_inline(model.example_rows, self.batching.inline_forward_s)
+                    )
             slot.batcher = DynamicBatcher(
                 runner.execute,
                 self.batching,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -97,3 +101,41 @@ def test_read_only_request_buffers_run_without_warnings() -> None:
     image.flags.writeable = False  # like np.frombuffer over a request body
     (output,), _ = runner.execute([(image,)])
     assert output.shape == (1, 6)
+
+
+class _SlowOffMainThread(torch.nn.Module):
+    """A linear layer that takes 30 ms on any thread but the main one: a forward pass
+    whose warm-up on the model thread was stalled (OpenMP beside a CPU hog)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.03)
+        return self.linear(x)
+
+
+def _rows(n: int) -> tuple[np.ndarray, ...]:
+    return (np.ones((n, 4), dtype=np.float32),)
+
+
+def test_inline_calibration_replaces_a_stalled_warm_up() -> None:
+    runner = ModelRunner(_SlowOffMainThread(), RuntimeConfig(device="cpu", max_batch_rows=4))
+    with ThreadPoolExecutor(1) as thread:  # as the server warms up: on the model thread
+        thread.submit(runner.warm_up, _rows).result()
+    assert runner.fastest(4) >= 0.03 and runner.estimate(4) >= 0.03
+    timings = runner.calibrate_inline(_rows, limit_s=0.01)
+    assert sorted(timings) == [1, 2, 4]
+    # What the event loop's thread pays decides what runs there, and the deadline
+    # admission estimates with it.
+    assert all(runner.fastest(n) < 0.01 and runner.estimate(n) < 0.01 for n in (1, 2, 3, 4))
+
+
+def test_inline_calibration_stops_at_the_first_bucket_over_the_limit() -> None:
+    runner = ModelRunner(_SlowOffMainThread(), RuntimeConfig(device="cpu", max_batch_rows=4))
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(runner.warm_up, _rows).result()
+    assert list(runner.calibrate_inline(_rows, limit_s=0.0)) == [1]
+    assert runner.fastest(1) < 0.03 <= runner.fastest(2)
