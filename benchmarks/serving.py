@@ -188,6 +188,37 @@ class Worker:
             todo += [int(kid) for kid in kids]
         return total
 
+    def sched(self) -> dict[str, float]:
+        """The scheduler's account of the worker's threads (all processes, Linux):
+        ``cpu_s`` on a core, ``wait_s`` runnable but waiting for one (run-queue
+        delay: what a CPU hog beside it costs), ``preempted`` involuntary context
+        switches; ``loop_*`` the same for each process's main (event-loop) thread."""
+        out = dict.fromkeys(
+            ("cpu_s", "wait_s", "preempted", "loop_cpu_s", "loop_wait_s", "loop_preempted"), 0.0
+        )
+        todo = [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:  # gone meanwhile
+                continue
+            todo += [int(kid) for kid in kids]
+            for tid in tasks:
+                try:
+                    on, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+                    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                except OSError:
+                    continue
+                preempted = float(status.rsplit("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
+                values = (int(on) / 1e9, int(wait) / 1e9, preempted)
+                for key, value in zip(("cpu_s", "wait_s", "preempted"), values, strict=True):
+                    out[key] += value
+                    if tid == pid:
+                        out[f"loop_{key}"] += value
+        return out
+
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
             text: str = response.read().decode()
@@ -386,6 +417,12 @@ def main() -> None:
             workers: dict[str, Worker] = {}
             parts: dict[str, list[LoadResult]] = {name: [] for name in variants}
             cpu: dict[str, float] = dict.fromkeys(variants, 0.0)
+            sched: dict[str, dict[str, float]] = {name: {} for name in variants}
+            for name in variants:
+                sched[name] = dict.fromkeys(
+                    ("cpu_s", "wait_s", "preempted", "loop_cpu_s", "loop_wait_s", "loop_preempted"),
+                    0.0,
+                )
             try:
                 for name, (tree, extra) in variants.items():
                     chosen = logged_settings if name == "logged" else settings
@@ -393,6 +430,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for name, worker in workers.items():
                         used = worker.cpu_s()
+                        sched_before = worker.sched()
                         result = asyncio.run(
                             _load(
                                 worker.url,
@@ -403,6 +441,8 @@ def main() -> None:
                             )
                         )
                         cpu[name] += worker.cpu_s() - used
+                        for key, value in worker.sched().items():
+                            sched[name][key] += value - sched_before[key]
                         parts[name].append(result)
                 phase_text = workers["after"].metrics_text()
             finally:
@@ -417,6 +457,16 @@ def main() -> None:
         # CPU per request counts warm-up requests too (each round sends `concurrency`).
         sent = len(merged.latencies) + args.rounds * args.concurrency
         runs[name]["worker_cpu_us_per_request"] = round(cpu[name] / sent * 1e6, 1)
+        # Per request, from the scheduler: time on a core, time runnable but waiting
+        # for one, and preemptions; the event-loop threads' share apart.
+        runs[name]["scheduler_per_request"] = {
+            "cpu_us": round(sched[name]["cpu_s"] / sent * 1e6, 1),
+            "runqueue_wait_us": round(sched[name]["wait_s"] / sent * 1e6, 1),
+            "preemptions": round(sched[name]["preempted"] / sent, 3),
+            "loop_cpu_us": round(sched[name]["loop_cpu_s"] / sent * 1e6, 1),
+            "loop_runqueue_wait_us": round(sched[name]["loop_wait_s"] / sent * 1e6, 1),
+            "loop_preemptions": round(sched[name]["loop_preempted"] / sent, 3),
+        }
         runs[name]["t_service_p50_by_round_ms"] = [
             part.summary()["latency_ms"]["service"]["p50"] for part in parts[name]
         ]
@@ -427,6 +477,14 @@ def main() -> None:
             f"{lat['service']['p99']:6.2f} ms | T_total p50 {lat['total']['p50']:6.2f} p99 "
             f"{lat['total']['p99']:6.2f} ms | mean batch {runs[name]['mean_batch_rows']} | "
             f"worker CPU {runs[name]['worker_cpu_us_per_request']:.0f} us/request",
+            flush=True,
+        )
+        per = runs[name]["scheduler_per_request"]
+        print(
+            f"         per request: on a core {per['cpu_us']:.0f} us, waiting for one "
+            f"{per['runqueue_wait_us']:.0f} us, {per['preemptions']:.2f} preemptions "
+            f"(event loop: {per['loop_cpu_us']:.0f} us, {per['loop_runqueue_wait_us']:.0f} us, "
+            f"{per['loop_preemptions']:.2f})",
             flush=True,
         )
         if name != "before":
