@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 umask 077
 mkdir -p secrets
 for name in pg_password cdc_password redis_lookup_password redis_writer_password \
-            exporter_token grafana_admin_password; do
+            exporter_token metrics_token model_token grafana_admin_password; do
   if [ ! -s "secrets/$name" ]; then
     openssl rand -hex 24 > "secrets/$name"
     echo "made secrets/$name"

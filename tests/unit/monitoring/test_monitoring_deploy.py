@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -128,12 +130,12 @@ def test_settings_agree_with_the_services(
         assert url.hostname == f"redis-{region.name}" and url.port == 6379
         assert url.hostname in services
         worker = services[f"worker-{region.name}"]
-        assert worker["command"] == ["pipeline", "run", "--region", region.name]
+        assert worker["command"][:4] == ["pipeline", "run", "--region", region.name]
         assert f"redis-{region.name}" in worker["depends_on"]
         assert worker["environment"]["EDGEFEED_SETTINGS"] == "/etc/edgefeed/edgefeed.yaml"
         # its entity states on a volume of its own, where the settings put them
         assert f"state-{region.name}:/var/lib/edgefeed/state" in worker["volumes"]
-    assert services["router"]["command"] == ["pipeline", "run", "--role", "router"]
+    assert services["router"]["command"][:4] == ["pipeline", "run", "--role", "router"]
     gpu = services["model-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert "gpu" in gpu["capabilities"]
 
@@ -163,6 +165,109 @@ def test_prometheus_scrapes_the_exporter_where_it_listens(compose: dict[str, Any
     prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == [f"exporter:{port}"]
+
+
+def _option(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+def _k8s_jobs() -> set[str]:
+    found = set()
+    for path in (ROOT / "deploy" / "k8s" / "base").rglob("*.yaml"):
+        found |= set(re.findall(r"edgefeed\.io/job: (\S+)", path.read_text()))
+    return found
+
+
+def test_prometheus_scrapes_every_edgefeed_process_with_its_token(
+    compose: dict[str, Any],
+) -> None:
+    """The router, every regional worker and the model worker serve /metrics behind a
+    bearer token; the compose Prometheus scrapes each of them where it listens, with
+    the token of a secret both mount, over a network they share, under the job name
+    the Kubernetes ServiceMonitors give the same process (the rules and the dashboard
+    read the same series in both). Without this the freshness SLO's burn-rate alerts
+    and the serving alerts have no series in compose (they read the workers' own
+    histograms)."""
+    services = compose["services"]
+    prometheus_yml = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus_yml["scrape_configs"]}
+    scraper = services["prometheus"]
+    # service -> (job, the port its command serves /metrics on, the token file)
+    expected: dict[str, tuple[str, str | None, str | None]] = {}
+    for name, service in services.items():
+        command = service.get("command") or []
+        if command[:2] == ["pipeline", "run"]:
+            job = "edgefeed-router" if "--role" in command else "edgefeed-feature-worker"
+            assert _option(command, "--metrics-host") == "0.0.0.0", name
+            port, token = (
+                _option(command, "--metrics-port"),
+                _option(command, "--metrics-token-file"),
+            )
+            expected[name] = (job, port, token)
+        elif command[:2] == ["workers", "serve"]:
+            port, token = _option(command, "--port"), _option(command, "--auth-token-file")
+            expected[name] = ("edgefeed-model-worker", port, token)
+    assert {job for job, _p, _t in expected.values()} == {
+        "edgefeed-router",
+        "edgefeed-feature-worker",
+        "edgefeed-model-worker",
+    }
+    assert set(jobs) - {"alertmanager"} <= _k8s_jobs(), sorted(set(jobs) - _k8s_jobs())
+    for name, (job, port, token) in expected.items():
+        assert port is not None and token is not None, f"{name}: /metrics without a token"
+        assert token.startswith("/run/secrets/"), name
+        secret = token.removeprefix("/run/secrets/")
+        assert secret in services[name]["secrets"] and secret in scraper["secrets"], name
+        assert set(services[name]["networks"]) & set(scraper["networks"]), name
+        config = jobs[job]
+        # By DNS: every container of a scaled service (`--scale worker-eu-west=4`).
+        (dns,) = config["dns_sd_configs"]
+        assert dns["type"] == "A" and str(dns["port"]) == port, (name, dns)
+        assert name in dns["names"], (name, job, dns["names"])
+        assert config["authorization"]["credentials_file"] == token, name
+    secrets = set(compose["secrets"])
+    made = (ROOT / "scripts" / "make-secrets.sh").read_text()
+    for secret in scraper["secrets"]:
+        assert secret in secrets and secret in made, secret
+
+
+def test_prometheus_sends_alerts_to_the_alertmanager_and_its_config_is_valid(
+    compose: dict[str, Any],
+) -> None:
+    """Alerts leave Prometheus: it sends them to the compose Alertmanager, which runs
+    deploy/alertmanager/alertmanager.yml, checked by Alertmanager's own amtool."""
+    prometheus_yml = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (manager,) = prometheus_yml["alerting"]["alertmanagers"]
+    (target,) = manager["static_configs"][0]["targets"]
+    host, _, port = target.partition(":")
+    alertmanager = compose["services"][host]
+    assert any(str(p).endswith(f":{port}") for p in alertmanager["ports"])
+    assert set(alertmanager["networks"]) & set(compose["services"]["prometheus"]["networks"])
+    assert "alertmanager" in compose["services"]["prometheus"]["depends_on"]
+    config = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
+    assert (
+        f"./{config.relative_to(ROOT)}:/etc/alertmanager/alertmanager.yml:ro"
+        in (alertmanager["volumes"])
+    )
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        pytest.fail(
+            "amtool is missing: `make install` (scripts/bootstrap.sh) installs it with "
+            "Debian's prometheus-alertmanager package"
+        )
+    done = subprocess.run(
+        [amtool, "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Every alert routes to a receiver by its severity: critical pages, the rest tickets.
+    routes = yaml.safe_load(config.read_text())["route"]
+    assert routes["receiver"] == "edgefeed-tickets"
+    assert [r["receiver"] for r in routes["routes"]] == ["edgefeed-pages"]
+    assert routes["routes"][0]["matchers"] == ['severity="critical"']
 
 
 def _resolves(args: list[str]) -> bool:
