@@ -271,7 +271,12 @@ def compose_problems(settings: EdgefeedSettings) -> list[str]:
         if host not in services:
             problems.append(f"no Redis service {host} for region {region}")
         worker = services.get(f"worker-{region}")
-        if worker is None or worker.get("command", [])[-2:] != ["--region", region]:
+        if worker is None or worker.get("command", [])[:4] != [
+            "pipeline",
+            "run",
+            "--region",
+            region,
+        ]:
             problems.append(f"no worker-{region} service running --region {region}")
     known = set(settings.region_names)
     for name in services:
