@@ -382,11 +382,29 @@ def test_alert_rules_and_dashboard_use_metrics_the_exporter_emits() -> None:
     dashboard = json.loads(
         (ROOT / "deploy" / "grafana" / "dashboards" / "edgefeed.json").read_text()
     )
+    from_processes: set[str] = set()  # the workers' own, scraped where they run
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            used |= _metric_names(target["expr"])
+            names = _metric_names(target["expr"])
+            own = names - set(METRIC_NAMES)
+            assert own <= _pipeline_metric_names() | _model_worker_metric_names(), sorted(own)
+            from_processes |= own
+            used |= names - own
     assert used, "no metric referenced"
     assert used <= set(METRIC_NAMES), sorted(used - set(METRIC_NAMES))
+    # The dashboard shows what only the processes know: commit -> Redis from the
+    # workers' histogram, the time the state's budget held them, T_service.
+    assert {
+        "edgefeed_pipeline_freshness_seconds_bucket",
+        "edgefeed_pipeline_backpressure_seconds_total",
+        "edgefeed_worker_latency_seconds_bucket",
+        "edgefeed_worker_requests_total",
+    } <= from_processes, sorted(from_processes)
+    recorded_names = {r["record"] for r in recorded}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"\bedgefeed:[a-z0-9_:]+", target["expr"]):
+                assert name in recorded_names, name
     provider = yaml.safe_load(
         (ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "edgefeed.yml").read_text()
     )
