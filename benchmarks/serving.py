@@ -427,8 +427,11 @@ def main() -> None:
                 for name, (tree, extra) in variants.items():
                     chosen = logged_settings if name == "logged" else settings
                     workers[name] = Worker(name, tree, chosen, extra, {})
-                for _ in range(args.rounds):
-                    for name, worker in workers.items():
+                for round_ in range(args.rounds):
+                    # ABBA: every other round in reverse, so that neither worker is
+                    # always the one measured right after the other.
+                    order = list(workers.items())
+                    for name, worker in order if round_ % 2 == 0 else order[::-1]:
                         used = worker.cpu_s()
                         sched_before = worker.sched()
                         result = asyncio.run(
