@@ -46,6 +46,8 @@ renew what is due at once, and to rebuild a lost disk.
     .venv/bin/python benchmarks/scale.py --users 1000000       # one size
     .venv/bin/python benchmarks/scale.py --mode disk --memory-mb 512
     .venv/bin/python benchmarks/scale.py --smoke               # 500 users (the test suite)
+    .venv/bin/python benchmarks/scale.py --bulk 10000 --bulk 10000000 --bulk-jobs 2
+                                                               # a state built in bulk
     .venv/bin/python benchmarks/scale.py --plot docs/img/scale.png
     .venv/bin/python benchmarks/scale.py --users 10000 --mode disk --memory-mb 64 \\
         --profile /tmp/scale.prof                              # where the time goes
@@ -120,11 +122,12 @@ def child(
     memory_mb: float,
     out: Any,
     profile: str | None = None,
+    jobs: int = 1,
 ) -> None:
     if mode == "memory":
         result = asyncio.run(load_memory(users, events, seed, now_s, checkpoint_s))
     elif mode == "bulk":
-        result = asyncio.run(load_bulk(users, events, seed, now_s, checkpoint_s, memory_mb))
+        result = asyncio.run(load_bulk(users, events, seed, now_s, checkpoint_s, memory_mb, jobs))
     else:
         result = asyncio.run(
             load_disk(users, events, seed, now_s, checkpoint_s, memory_mb, profile)
@@ -142,13 +145,14 @@ def run_size(
     checkpoint_s: float,
     memory_mb: float,
     profile: str | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """One size and mode in a fresh process (spawned: its memory is the measurement)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(
         target=child,
-        args=(mode, users, events, seed, now_s, checkpoint_s, memory_mb, send, profile),
+        args=(mode, users, events, seed, now_s, checkpoint_s, memory_mb, send, profile, jobs),
     )
     process.start()
     send.close()
@@ -189,6 +193,13 @@ def main() -> None:
         default=[],
         help="users of a bulk-built state to measure a worker over (repeatable)",
     )
+    parser.add_argument(
+        "--bulk-jobs",
+        type=int,
+        default=1,
+        help="processes that build a --bulk state, each some partitions' entities "
+        f"(at most {PARTITIONS}; the measurements after it are one worker's)",
+    )
     parser.add_argument("--save", type=Path, help="also write the results (JSON) here")
     parser.add_argument(
         "--replot",
@@ -197,6 +208,9 @@ def main() -> None:
         help="print and plot the results --save wrote (repeatable), running nothing",
     )
     args = parser.parse_args()
+    if not 1 <= args.bulk_jobs <= PARTITIONS:
+        parser.error(f"--bulk-jobs {args.bulk_jobs}: give 1 to {PARTITIONS} (the partitions)")
+    jobs = args.bulk_jobs
     sizes = [500] if args.smoke else (args.users or ([] if args.bulk else [10_000, 100_000]))
     modes = MODES if args.mode == "both" else (args.mode,)
     memory_mb = args.memory_mb or (SMOKE_MEMORY_MB if args.smoke else MEMORY_MB)
@@ -220,7 +234,7 @@ def main() -> None:
         for mode in modes
     ]
     results += [
-        run_size("bulk", users, args.events, args.seed, now_s, checkpoint_s, memory_mb)
+        run_size("bulk", users, args.events, args.seed, now_s, checkpoint_s, memory_mb, jobs=jobs)
         for users in args.bulk
     ]
     if args.save is not None:

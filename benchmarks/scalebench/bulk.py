@@ -101,20 +101,26 @@ def computed_state(engine: FeatureEngine, key: str, stream: Iterable[RegionalCha
     return state
 
 
-async def bulk_build(folder: Path, load: Load, engine: FeatureEngine) -> dict[str, Any]:
+async def bulk_build(
+    folder: Path, load: Load, engine: FeatureEngine, partitions: Iterable[int] | None = None
+) -> dict[str, Any]:
     """Write the load's final states straight to a worker's folder and changelog:
     each entity's changes applied by the worker's feature engine, its vector
     written as the worker writes it (``wrev``/``until`` in its record: the cache
     holds it), pruned and stored as a checkpoint stores it (``store_state`` through
     ``ChangelogWriter`` into DiskChangelog: the changelog file, then the partition's
     database with the offset of the last record). No batching, packs, cache or
-    ledger: what makes it fast is that each state is built once, alone."""
+    ledger: what makes it fast is that each state is built once, alone.
+    ``partitions``: build only the entities of these (one of parallel builders)."""
     local = open_states(folder / "state", engine)
     changelog = DiskChangelog(local, folder / "changelog.log")
     now_ms = load.now_ms
+    owned = frozenset(range(PARTITIONS) if partitions is None else partitions)
     started = time.perf_counter()
     pending: dict[int, Delivery] = {}
     for key in load.entity_keys():
+        if partition_of(key) not in owned:
+            continue
         entity = engine.engine(key.split(":", 1)[0])
         state = computed_state(engine, key, load.changes_of(key))
         if state is None:
@@ -141,6 +147,92 @@ async def bulk_build(folder: Path, load: Load, engine: FeatureEngine) -> dict[st
         "build_records_per_s": round(changelog.records / build_s),
         "changelog_records": changelog.records,
         "serialized_mb": round(changelog.bytes / 1e6, 1),
+        "changelog_bytes": changelog.bytes,
+    }
+
+
+def build_part(
+    folder: str, load_args: tuple[int, int, int, int], partitions: list[int], out: Any
+) -> None:
+    """One of parallel builders (a process of its own): ``partitions``' entities into
+    a folder and changelog of its own, joined afterwards (:func:`join_parts`)."""
+    engine = FeatureEngine(settings().entities)
+    out.send(asyncio.run(bulk_build(Path(folder), Load(*load_args), engine, partitions)))
+
+
+def join_parts(folder: Path, parts: Sequence[tuple[Path, Sequence[int]]]) -> None:
+    """The builders' folders as one worker's: each partition's database moved into
+    ``folder``'s, and their changelog files one after the other into one (each
+    partition's records stay in order: a partition is one builder's), with the
+    offset index's marks moved by the bytes before them and holding the finished
+    builders' partitions at their last offsets."""
+    target = folder / "state" / "w0"
+    target.mkdir(parents=True, exist_ok=True)
+    last = dict.fromkeys(range(PARTITIONS), -1)
+    base = 0
+    with open(folder / "changelog.log", "wb") as log, open(folder / "changelog.idx", "wb") as idx:
+        for part, partitions in parts:
+            for partition in partitions:
+                (part / "state" / "w0" / f"p{partition}").rename(target / f"p{partition}")
+            for line in (part / "changelog.idx").read_bytes().splitlines():
+                mark = orjson.loads(line)
+                for raw, offset in mark["offsets"].items():
+                    if int(raw) in partitions:
+                        last[int(raw)] = offset
+                joined = {"pos": base + mark["pos"], "offsets": last}
+                idx.write(orjson.dumps(joined, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+            with open(part / "changelog.log", "rb") as source:
+                shutil.copyfileobj(source, log, 1 << 20)
+            base = log.tell()
+            shutil.rmtree(part)
+
+
+async def bulk_build_parallel(
+    folder: Path, load: Load, engine: FeatureEngine, jobs: int
+) -> dict[str, Any]:
+    """:func:`bulk_build` by ``jobs`` processes, each the entities of some partitions,
+    then joined into one folder and changelog (the same states and offsets as one
+    builder's; the records in another order across partitions)."""
+    if jobs <= 1:
+        return {**await bulk_build(folder, load, engine), "build_jobs": 1}
+    context = multiprocessing.get_context("spawn")
+    load_args = (load.users, load.events, load.now_ms, load.seed)
+    started = time.perf_counter()
+    running = []
+    for job in range(jobs):
+        partitions = [p for p in range(PARTITIONS) if p % jobs == job]
+        part = folder / f"part{job}"
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=build_part, args=(str(part), load_args, partitions, send))
+        process.start()
+        send.close()
+        running.append((process, receive, part, partitions))
+    found = []
+    try:
+        for process, receive, _part, _partitions in running:
+            try:
+                found.append(receive.recv())
+            except EOFError:
+                process.join()
+                raise RuntimeError(f"a bulk builder died (exit {process.exitcode})") from None
+            process.join()
+    finally:
+        for process, *_rest in running:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    join_parts(folder, [(part, partitions) for _p, _r, part, partitions in running])
+    build_s = time.perf_counter() - started
+    records = sum(f["changelog_records"] for f in found)
+    serialized = sum(f["changelog_bytes"] for f in found)
+    return {
+        "build_s": round(build_s, 1),
+        "build_jobs": jobs,
+        "build_changes_per_s": round(2 * load.users * load.events / build_s),
+        "build_records_per_s": round(records / build_s),
+        "changelog_records": records,
+        "serialized_mb": round(serialized / 1e6, 1),
+        "changelog_bytes": serialized,
     }
 
 
@@ -373,11 +465,17 @@ async def restart_after_kill(
 
 
 async def load_bulk(
-    users: int, events: int, seed: int, now_s: float, checkpoint_s: float, memory_mb: float
+    users: int,
+    events: int,
+    seed: int,
+    now_s: float,
+    checkpoint_s: float,
+    memory_mb: float,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="scale-bulk-", dir=os.environ.get("SCALE_DIR")))
     try:
-        return await _load_bulk(folder, users, events, seed, now_s, checkpoint_s, memory_mb)
+        return await _load_bulk(folder, users, events, seed, now_s, checkpoint_s, memory_mb, jobs)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -390,14 +488,15 @@ async def _load_bulk(
     now_s: float,
     checkpoint_s: float,
     memory_mb: float,
+    jobs: int = 1,
 ) -> dict[str, Any]:
-    """Build the state in bulk, check it, then measure a worker over it: the access
-    patterns' changes/s and its RSS, a kill -9 during load and its restart, and the
-    folder's disk lost and rebuilt from the changelog."""
+    """Build the state in bulk (by ``jobs`` processes), check it, then measure a worker
+    over it: the access patterns' changes/s and its RSS, a kill -9 during load and its
+    restart, and the folder's disk lost and rebuilt from the changelog."""
     load = Load(users, events, int(now_s * 1000), seed)
     engine = FeatureEngine(settings().entities)
     budget = int(memory_mb * 2**20)
-    built = await bulk_build(folder, load, engine)
+    built = await bulk_build_parallel(folder, load, engine, jobs)
     store_bytes = folder_bytes(folder / "state")
     # A restart on the built folder: its states are the engine's for the load's
     # changes (the full digest where cheap, else a sample recomputed).

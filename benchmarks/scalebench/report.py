@@ -61,6 +61,7 @@ RATIO_COLUMNS = (
 BULK_COLUMNS = (
     ("users", "users"),
     ("changes", "changes built"),
+    ("build_jobs", "builders"),
     ("build_s", "build s"),
     ("build_changes_per_s", "build changes/s"),
     ("serialized_mb", "changelog MB"),

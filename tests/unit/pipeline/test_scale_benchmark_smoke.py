@@ -15,9 +15,9 @@ from benchrun import run_benchmark
 
 @pytest.fixture(scope="module")
 def smoke_run() -> dict[str, dict[str, Any]]:
-    """One ``--smoke`` run of every mode (in memory, on disk, and a bulk-built state of
-    500 users), by mode."""
-    completed = run_benchmark("scale.py", "--smoke", "--bulk", "500", "--json")
+    """One ``--smoke`` run of every mode (in memory, on disk, and a state of 500 users
+    built in bulk by two processes, joined), by mode."""
+    completed = run_benchmark("scale.py", "--smoke", "--bulk", "500", "--bulk-jobs", "2", "--json")
     results = json.loads(completed.stdout)
     assert [r["mode"] for r in results] == ["memory", "disk", "bulk"]
     return {r["mode"]: r for r in results}
@@ -72,6 +72,9 @@ def test_bulk_built_store_restarts_into_the_apply_paths_states(
     apply path gives for the same events, and a worker must go on from it (and from
     a kill -9 over it) exactly."""
     disk, bulk = smoke_run["disk"], smoke_run["bulk"]
+    # Built by two processes, each some partitions' entities, joined into one
+    # worker's folder and changelog: all that follows holds for the joined state.
+    assert bulk["build_jobs"] == 2
     assert bulk["users"] == disk["users"] == 500
 
     # Reopened (a restart), the bulk-built store holds every entity the worker's
