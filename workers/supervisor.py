@@ -54,6 +54,7 @@ __all__ = [
     "WorkerStartError",
     "check_processes",
     "default_processes",
+    "threads_per_child",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,18 @@ def default_processes() -> int:
     cores = len(os.sched_getaffinity(0))
     quota = _cgroup_cpus()
     return max(1, min(cores, quota) if quota is not None else cores)
+
+
+def threads_per_child(processes: int) -> int:
+    """Torch threads for each of ``processes`` children sharing this process's cores:
+    the cores (:func:`default_processes`) divided among them, at least 1.
+
+    Without it each child's torch starts one OpenMP thread per core (N x cores in
+    all): beside other load, a forward pass's threads wait at every barrier for a
+    descheduled sibling (60-80 ms for a 0.2 ms pass measured beside a CPU hog,
+    docs/workers.md). ``cpu_threads`` set explicitly wins.
+    """
+    return max(1, default_processes() // max(1, processes))
 
 
 def check_processes(processes: int) -> int:

@@ -296,7 +296,13 @@ def serve(
             (model, region, weights, model_file, kind, input_shape, input_dtype, labels),
         )
         del server, served
-        described = f"{count} processes; {rows} rows per batch; event loop {loop_name}"
+        from workers.supervisor import threads_per_child
+
+        threads = settings.cpu_threads or threads_per_child(count)
+        described = (
+            f"{count} processes, {threads} torch thread{'s' * (threads > 1)} each; "
+            f"{rows} rows per batch; event loop {loop_name}"
+        )
         _serve_supervised(spec, count, model, region, described, security)
         return
 
@@ -347,9 +353,11 @@ def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
 
     from edgefeed.errors import EdgefeedError
     from workers.server import InferenceServer, run_on_loop, run_server
-    from workers.supervisor import Cluster
+    from workers.supervisor import Cluster, threads_per_child
 
     settings = spec.settings
+    if settings.cpu_threads is None:  # the node's cores shared, not each child all of them
+        settings = settings.model_copy(update={"cpu_threads": threads_per_child(slot.processes)})
     registry = CollectorRegistry()
     try:
         served = _load_model(

@@ -26,7 +26,7 @@ from worker_process import WorkerProcess, poll, worker_process  # type: ignore[i
 
 from workers.exceptions import ModelLoadError
 from workers.inputs import NPY_TYPE, encode_npy
-from workers.supervisor import ChildSlot, Supervisor, WorkerStartError
+from workers.supervisor import ChildSlot, Supervisor, WorkerStartError, threads_per_child
 
 MODEL = "image-classifier"
 INFER = f"/v1/models/{MODEL}/infer"
@@ -154,6 +154,9 @@ def test_a_killed_child_is_replaced_and_costs_only_its_requests_in_flight() -> N
     with worker_process("--model", MODEL, "--processes", "2") as worker:
         first = _pids_of(worker)
         assert len(first) == 2
+        # The children share the cores among their torch threads (not all each).
+        threads = threads_per_child(2)
+        assert f"2 processes, {threads} torch thread" in worker.banner, worker.banner
         _, port = worker.host_port
         load = _Load(worker, _body(worker), clients=8)
         load.start()

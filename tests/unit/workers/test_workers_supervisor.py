@@ -31,6 +31,20 @@ def test_a_cgroup_quota_caps_the_default(tmp_path: Path, monkeypatch: pytest.Mon
     assert supervisor.default_processes() == 1
 
 
+def test_children_share_the_cores_among_their_torch_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """N children on C cores get C // N torch threads each (at least 1), not C each:
+    N x C OpenMP threads would wait at every barrier for descheduled siblings."""
+    monkeypatch.setattr(supervisor, "default_processes", lambda: 16)
+    assert supervisor.threads_per_child(16) == 1
+    assert supervisor.threads_per_child(4) == 4
+    assert supervisor.threads_per_child(3) == 5
+    assert supervisor.threads_per_child(32) == 1
+    monkeypatch.setattr(supervisor, "default_processes", lambda: 1)
+    assert supervisor.threads_per_child(2) == 1
+
+
 def test_more_than_one_process_off_linux_is_refused_with_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
