@@ -104,6 +104,7 @@ from scalebench.report import (  # noqa: E402
     print_ratios,
     print_table,
 )
+from scalebench.worker import Run  # noqa: E402
 
 MEMORY_MB = 256.0  # disk mode's default budget for the states in memory
 SMOKE_MEMORY_MB = 2.0  # --smoke: small, so that states are evicted and read back
@@ -112,47 +113,20 @@ SMOKE_MEMORY_MB = 2.0  # --smoke: small, so that states are evicted and read bac
 # -- the runs ---------------------------------------------------------------------------------
 
 
-def child(
-    mode: str,
-    users: int,
-    events: int,
-    seed: int,
-    now_s: float,
-    checkpoint_s: float,
-    memory_mb: float,
-    out: Any,
-    profile: str | None = None,
-    jobs: int = 1,
-) -> None:
-    if mode == "memory":
-        result = asyncio.run(load_memory(users, events, seed, now_s, checkpoint_s))
-    elif mode == "bulk":
-        result = asyncio.run(load_bulk(users, events, seed, now_s, checkpoint_s, memory_mb, jobs))
-    else:
-        result = asyncio.run(
-            load_disk(users, events, seed, now_s, checkpoint_s, memory_mb, profile)
-        )
+def child(run: Run, out: Any) -> None:
+    loads = {"memory": load_memory, "bulk": load_bulk, "disk": load_disk}
+    result = asyncio.run(loads[run.mode](run))
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out.send(result)
 
 
-def run_size(
-    mode: str,
-    users: int,
-    events: int,
-    seed: int,
-    now_s: float,
-    checkpoint_s: float,
-    memory_mb: float,
-    profile: str | None = None,
-    jobs: int = 1,
-) -> dict[str, Any]:
+def run_size(run: Run) -> dict[str, Any]:
     """One size and mode in a fresh process (spawned: its memory is the measurement)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(
         target=child,
-        args=(mode, users, events, seed, now_s, checkpoint_s, memory_mb, send, profile, jobs),
+        args=(run, send),
     )
     process.start()
     send.close()
@@ -161,7 +135,7 @@ def run_size(
     except EOFError:
         process.join()
         raise RuntimeError(
-            f"the {users}-user {mode} run died (exit code {process.exitcode})"
+            f"the {run.users}-user {run.mode} run died (exit code {process.exitcode})"
         ) from None
     process.join()
     return result
@@ -229,12 +203,16 @@ def main() -> None:
     else:
         results = []
     results += [
-        run_size(mode, users, args.events, args.seed, now_s, checkpoint_s, memory_mb, args.profile)
+        run_size(
+            Run(mode, users, args.events, args.seed, now_s, checkpoint_s, memory_mb, args.profile)
+        )
         for users in sizes
         for mode in modes
     ]
     results += [
-        run_size("bulk", users, args.events, args.seed, now_s, checkpoint_s, memory_mb, jobs=jobs)
+        run_size(
+            Run("bulk", users, args.events, args.seed, now_s, checkpoint_s, memory_mb, jobs=jobs)
+        )
         for users in args.bulk
     ]
     if args.save is not None:

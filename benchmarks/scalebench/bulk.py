@@ -41,6 +41,7 @@ from scalebench.worker import (
     Clock,
     DiskChangelog,
     FileAcker,
+    Run,
     apply_messages,
     entity_hash,
     folder_bytes,
@@ -468,35 +469,20 @@ async def restart_after_kill(
     }
 
 
-async def load_bulk(
-    users: int,
-    events: int,
-    seed: int,
-    now_s: float,
-    checkpoint_s: float,
-    memory_mb: float,
-    jobs: int = 1,
-) -> dict[str, Any]:
+async def load_bulk(run: Run) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="scale-bulk-", dir=os.environ.get("SCALE_DIR")))
     try:
-        return await _load_bulk(folder, users, events, seed, now_s, checkpoint_s, memory_mb, jobs)
+        return await _load_bulk(folder, run)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-async def _load_bulk(
-    folder: Path,
-    users: int,
-    events: int,
-    seed: int,
-    now_s: float,
-    checkpoint_s: float,
-    memory_mb: float,
-    jobs: int = 1,
-) -> dict[str, Any]:
-    """Build the state in bulk (by ``jobs`` processes), check it, then measure a worker
-    over it: the access patterns' changes/s and its RSS, a kill -9 during load and its
-    restart, and the folder's disk lost and rebuilt from the changelog."""
+async def _load_bulk(folder: Path, run: Run) -> dict[str, Any]:
+    """Build the state in bulk (by ``run.jobs`` processes), check it, then measure a
+    worker over it: the access patterns' changes/s and its RSS, a kill -9 during load
+    and its restart, and the folder's disk lost and rebuilt from the changelog."""
+    users, events, seed, now_s = run.users, run.events, run.seed, run.now_s
+    checkpoint_s, memory_mb, jobs = run.checkpoint_s, run.memory_mb, run.jobs
     load = Load(users, events, int(now_s * 1000), seed)
     engine = FeatureEngine(settings().entities)
     budget = int(memory_mb * 2**20)

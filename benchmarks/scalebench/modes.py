@@ -35,6 +35,7 @@ from scalebench.worker import (
     Changelog,
     Clock,
     DiskChangelog,
+    Run,
     _figures,
     apply_frames,
     apply_load,
@@ -55,10 +56,15 @@ from scalebench.worker import (
 MODES = ("memory", "disk")  # a worker's states: all in memory, or on disk behind a cache
 
 
-async def load_memory(
-    users: int, events: int, seed: int, now_s: float, checkpoint_s: float
-) -> dict[str, Any]:
+async def load_memory(run: Run) -> dict[str, Any]:
     """Apply the load, then recover from the changelog; the figures."""
+    users, events, seed, now_s, checkpoint_s = (
+        run.users,
+        run.events,
+        run.seed,
+        run.now_s,
+        run.checkpoint_s,
+    )
     clock = Clock()
     changelog = Changelog()
     runtime, cache = make_runtime(
@@ -144,36 +150,19 @@ def open_states(root: Path, engine: FeatureEngine) -> LocalStates:
     return LocalStates(root, lambda key, record: renewal_due(engine, key, record), versions)
 
 
-async def load_disk(
-    users: int,
-    events: int,
-    seed: int,
-    now_s: float,
-    checkpoint_s: float,
-    memory_mb: float,
-    profile: str | None = None,
-) -> dict[str, Any]:
+async def load_disk(run: Run) -> dict[str, Any]:
     """Apply the load with the states on disk, restart on the folder, rebuild a lost
     one from the changelog; the figures."""
     folder = Path(tempfile.mkdtemp(prefix="scale-disk-"))
     try:
-        return await _load_disk(
-            folder, users, events, seed, now_s, checkpoint_s, memory_mb, profile
-        )
+        return await _load_disk(folder, run)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-async def _load_disk(
-    folder: Path,
-    users: int,
-    events: int,
-    seed: int,
-    now_s: float,
-    checkpoint_s: float,
-    memory_mb: float,
-    profile: str | None = None,
-) -> dict[str, Any]:
+async def _load_disk(folder: Path, run: Run) -> dict[str, Any]:
+    users, events, seed, now_s = run.users, run.events, run.seed, run.now_s
+    checkpoint_s, memory_mb, profile = run.checkpoint_s, run.memory_mb, run.profile
     clock = Clock()
     engine = FeatureEngine(settings().entities)
     budget = int(memory_mb * 2**20)

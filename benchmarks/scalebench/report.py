@@ -7,18 +7,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scalebench.bulk import (
-    PATTERNS,
-)
+from scalebench.bulk import PATTERNS
 from scalebench.modes import MODES
 
-COLUMNS = (
+# What both modes' tables begin with.
+_LOAD_COLUMNS = (
     ("users", "users"),
     ("changes", "changes"),
     ("changes_per_s", "changes/s"),
     ("rss_mb", "RSS MB"),
     ("state_mb", "state MB"),
     ("kb_per_user", "KB/user"),
+)
+
+COLUMNS = (
+    *_LOAD_COLUMNS,
     ("bytes_per_row", "B/row"),
     ("checkpoint_s", "checkpoint s"),
     ("serialized_mb", "changelog MB"),
@@ -27,12 +30,7 @@ COLUMNS = (
 )
 
 DISK_COLUMNS = (
-    ("users", "users"),
-    ("changes", "changes"),
-    ("changes_per_s", "changes/s"),
-    ("rss_mb", "RSS MB"),
-    ("state_mb", "state MB"),
-    ("kb_per_user", "KB/user"),
+    *_LOAD_COLUMNS,
     ("checkpoint_s", "checkpoint s"),
     ("serialized_mb", "changelog MB"),
     ("log_mb", "log MB"),

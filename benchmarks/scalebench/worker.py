@@ -11,6 +11,7 @@ import struct
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,22 @@ NONE = 0xFFFFFFFF
 FRESH_USER = 1  # the existing user whose new change a restarted disk worker serves
 FRESH_LSN = 10**12  # after every change of the load
 DIGEST_USERS = 100_000  # up to this size, the bulk state's full digest (else a sample)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One size in one mode, as the command line asks for it (``jobs``: the bulk
+    build's processes; ``profile``: the disk mode's cProfile output)."""
+
+    mode: str
+    users: int
+    events: int
+    seed: int
+    now_s: float
+    checkpoint_s: float
+    memory_mb: float
+    profile: str | None = None
+    jobs: int = 1
 
 
 def _page_kb() -> int:
