@@ -83,6 +83,16 @@ class WorkerSettings(BaseSettings):
 
         return check_processes(self.processes or default_processes())
 
+    def for_child(self, processes: int) -> WorkerSettings:
+        """These settings as one of ``processes`` children on one port runs them: the
+        cores shared among their torch threads unless ``cpu_threads`` is set (see
+        :func:`~workers.supervisor.threads_per_child`)."""
+        if self.cpu_threads is not None:
+            return self
+        from workers.supervisor import threads_per_child
+
+        return self.model_copy(update={"cpu_threads": threads_per_child(processes)})
+
     def batch_rows(self, model_default: int = 32) -> int:
         """Rows per forward pass: the setting, else the served model's default."""
         return self.max_batch_size if self.max_batch_size is not None else model_default

@@ -296,9 +296,7 @@ def serve(
             (model, region, weights, model_file, kind, input_shape, input_dtype, labels),
         )
         del server, served
-        from workers.supervisor import threads_per_child
-
-        threads = settings.cpu_threads or threads_per_child(count)
+        threads = settings.for_child(count).cpu_threads or 1
         described = (
             f"{count} processes, {threads} torch thread{'s' * (threads > 1)} each; "
             f"{rows} rows per batch; event loop {loop_name}"
@@ -353,11 +351,9 @@ def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
 
     from edgefeed.errors import EdgefeedError
     from workers.server import InferenceServer, run_on_loop, run_server
-    from workers.supervisor import Cluster, threads_per_child
+    from workers.supervisor import Cluster
 
-    settings = spec.settings
-    if settings.cpu_threads is None:  # the node's cores shared, not each child all of them
-        settings = settings.model_copy(update={"cpu_threads": threads_per_child(slot.processes)})
+    settings = spec.settings.for_child(slot.processes)
     registry = CollectorRegistry()
     try:
         served = _load_model(
