@@ -4,6 +4,7 @@ code, then a worker measured over it (access patterns, kill -9, a lost disk)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import hashlib
 import multiprocessing
@@ -11,6 +12,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -161,6 +163,31 @@ def build_part(
     out.send(asyncio.run(bulk_build(Path(folder), Load(*load_args), engine, partitions)))
 
 
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
+_CHUNK = 64 << 20
+
+
+def append_freeing(source: Path, target: Any) -> None:
+    """``source`` appended to the open file ``target``, each chunk's blocks freed in
+    ``source`` once written (fallocate's punch hole, where the file system has it):
+    at 10M users a builder's file is ~18 GB, and holding it twice does not fit the
+    disk beside the rest. Elsewhere a plain copy."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    punch = libc is not None
+    with open(source, "r+b") as src:  # writable: punching a hole needs it
+        at = 0
+        while chunk := src.read(_CHUNK):
+            target.write(chunk)
+            if punch:
+                target.flush()
+                os.fsync(target.fileno())  # freed only what is safely elsewhere
+                done = libc.fallocate(  # type: ignore[union-attr]
+                    src.fileno(), _PUNCH_HOLE, ctypes.c_int64(at), ctypes.c_int64(len(chunk))
+                )
+                punch = done == 0
+            at += len(chunk)
+
+
 def join_parts(folder: Path, parts: Sequence[tuple[Path, Sequence[int]]]) -> None:
     """The builders' folders as one worker's: each partition's database moved into
     ``folder``'s, and their changelog files one after the other into one (each
@@ -186,8 +213,7 @@ def join_parts(folder: Path, parts: Sequence[tuple[Path, Sequence[int]]]) -> Non
                 joined = {"pos": base + mark["pos"], "offsets": last}
                 idx.write(orjson.dumps(joined, option=orjson.OPT_NON_STR_KEYS) + b"\n")
             if n > 0:
-                with open(part / "changelog.log", "rb") as source:
-                    shutil.copyfileobj(source, log, 1 << 20)
+                append_freeing(part / "changelog.log", log)
             base = log.tell()
             shutil.rmtree(part)
 
