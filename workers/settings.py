@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers.batcher import BatchingConfig
@@ -39,6 +39,10 @@ class WorkerSettings(BaseSettings):
     ``processes``: worker processes serving the port (None: one per core this
     process may use, :func:`~workers.supervisor.default_processes`); 1 is one
     process with no supervisor.
+    ``sched_slice_us``: the scheduler time slice the worker's threads ask for
+    (:mod:`workers.cpusched`; Linux 6.12+): a short one lets the event loop run
+    soon after each wait when other work keeps the cores busy; 0 leaves the
+    kernel's default. 100 to 100,000 otherwise.
     """
 
     model_config = SettingsConfigDict(env_prefix="EDGEFEED_WORKERS_", extra="forbid", frozen=True)
@@ -72,6 +76,30 @@ class WorkerSettings(BaseSettings):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     processes: int | None = Field(default=None, ge=1, le=1024)
+    sched_slice_us: float = Field(default=100.0, ge=0, le=100_000)
+
+    @field_validator("sched_slice_us")
+    @classmethod
+    def _slice_in_range(cls, value: float) -> float:
+        from workers.cpusched import SLICE_MIN_US
+
+        if 0 < value < SLICE_MIN_US:
+            raise ValueError(
+                f"Linux takes a slice of {SLICE_MIN_US} us at least; use 0 for the kernel's default"
+            )
+        return value
+
+    def apply_sched_slice(self) -> str:
+        """Ask for ``sched_slice_us`` for this process's threads (and those it starts
+        later); what the start line says of it."""
+        from workers.cpusched import request_slice
+
+        if not self.sched_slice_us:
+            return "scheduler slice: the kernel's"
+        applied = request_slice(self.sched_slice_us)
+        if applied is None:
+            return "scheduler slice: the kernel's (none of its own here: needs Linux 6.12+)"
+        return f"scheduler slice {applied / 1e3:g} ms"
 
     def process_count(self) -> int:
         """Worker processes to run: the setting, else one per available core.

@@ -221,6 +221,13 @@ def serve(
             "one supervisor (default: one per core available; 1: one process, no supervisor).",
         ),
     ] = None,
+    sched_slice_us: Annotated[
+        float | None,
+        typer.Option(
+            help="Scheduler time slice the worker's threads ask for, so the event loop runs "
+            "soon after each wait on a busy node (default 100; Linux 6.12+; 0: the kernel's).",
+        ),
+    ] = None,
 ) -> None:
     """Serve one model over HTTP until SIGINT/SIGTERM, then drain."""
     from prometheus_client import CollectorRegistry
@@ -243,8 +250,11 @@ def serve(
         event_loop=event_loop,
         coalesce_turns=coalesce_turns,
         processes=processes,
+        sched_slice_us=sched_slice_us,
     )
     count = run_reported(settings.process_count)
+    # Before the model loads and children start: their threads inherit it.
+    scheduling = settings.apply_sched_slice()
     # the composition root: one registry for the worker's and its lookup client's metrics
     registry = CollectorRegistry()
     served = _load_model(
@@ -299,7 +309,7 @@ def serve(
         threads = settings.for_child(count).cpu_threads or 1
         described = (
             f"{count} processes, {threads} torch thread{'s' * (threads > 1)} each; "
-            f"{rows} rows per batch; event loop {loop_name}"
+            f"{rows} rows per batch; event loop {loop_name}; {scheduling}"
         )
         _serve_supervised(spec, count, model, region, described, security)
         return
@@ -308,8 +318,8 @@ def serve(
         err_console.print(
             f"serving {model!r} for region {region!r} at {running.url} "
             f"(warm-up ms per batch size: {running.warmup_ms[model]}; "
-            f"{running.batching.max_batch_size} rows per batch; event loop {loop_name}"
-            f"{'; ' + security if security else ''})",
+            f"{running.batching.max_batch_size} rows per batch; event loop {loop_name}; "
+            f"{scheduling}{'; ' + security if security else ''})",
             soft_wrap=True,
         )
 
@@ -354,6 +364,7 @@ def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
     from workers.supervisor import Cluster
 
     settings = spec.settings.for_child(slot.processes)
+    settings.apply_sched_slice()  # inherited from the supervisor; asked again all the same
     registry = CollectorRegistry()
     try:
         served = _load_model(

@@ -14,6 +14,8 @@ import redis.asyncio as aioredis
 import yaml
 from worker_process import seed_demo, worker_process  # type: ignore[import-not-found]
 
+from workers.cpusched import available, current_slice_us
+
 pytestmark = pytest.mark.integration
 
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
@@ -58,6 +60,12 @@ async def test_seed_demo_then_serve_ranker_from_the_region_cache(
         assert "serving 'ranker' for region 'eu-west'" in line, line
         # The ranker's own batch default (its rows are tiny) and the worker's loop.
         assert "256 rows per batch; event loop uvloop" in line, line
+        # Every thread (event loop, model thread, torch's) asked for the short slice.
+        tasks = Path(f"/proc/{worker.process.pid}/task").iterdir()
+        slices = {current_slice_us(int(task.name)) for task in tasks}
+        assert slices == ({100.0} if available() else {None}), slices
+        said = "scheduler slice 0.1 ms" if available() else "scheduler slice: the kernel's"
+        assert said in line, line
         url = worker.url
         status, body, headers = _post_json(
             f"{url}/v1/models/ranker/infer", {"user_id": "u3", "item_ids": ["i1", "i2", "i3"]}

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from worker_process import WorkerProcess, poll, worker_process  # type: ignore[import-not-found]
 
+from workers.cpusched import available, current_slice_us
 from workers.exceptions import ModelLoadError
 from workers.inputs import NPY_TYPE, encode_npy
 from workers.supervisor import ChildSlot, Supervisor, WorkerStartError, threads_per_child
@@ -157,6 +158,13 @@ def test_a_killed_child_is_replaced_and_costs_only_its_requests_in_flight() -> N
         # The children share the cores among their torch threads (not all each).
         threads = threads_per_child(2)
         assert f"2 processes, {threads} torch thread" in worker.banner, worker.banner
+        # Each child's threads run at the slice the supervisor asked for.
+        slices = {
+            current_slice_us(int(task.name))
+            for child in first
+            for task in Path(f"/proc/{child}/task").iterdir()
+        }
+        assert slices == ({100.0} if available() else {None}), slices
         _, port = worker.host_port
         load = _Load(worker, _body(worker), clients=8)
         load.start()

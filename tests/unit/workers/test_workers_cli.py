@@ -69,6 +69,20 @@ def test_serve_with_an_impossible_precision_exits_2_with_the_fix() -> None:
     assert "'fp16' needs a CUDA device; on the CPU use fp32 or int8" in result.output
 
 
+def test_serve_with_a_slice_linux_refuses_exits_2_naming_it_and_the_fix() -> None:
+    result = CliRunner().invoke(
+        app,
+        [
+            *("workers", "serve", "--model", "image-classifier", "--region", "eu-west"),
+            *("--sched-slice-us", "20"),
+        ],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 2
+    assert "sched_slice_us" in result.output and "(got 20.0)" in result.output
+    assert "use 0 for the kernel's default" in result.output
+
+
 def test_serve_unknown_model_exits_2() -> None:
     result = CliRunner().invoke(app, ["workers", "serve", "--model", "gpt", "--region", "x"])
     assert result.exit_code == 2
