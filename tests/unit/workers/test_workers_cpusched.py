@@ -40,7 +40,9 @@ def test_a_slice_is_taken_kept_with_the_nice_value_and_inherited() -> None:
         import os, threading, json
         from workers.cpusched import current_slice_us, request_slice
         os.nice(3)
-        before = current_slice_us()
+        # A known slice first: this process inherits the test process's, which an
+        # in-process CLI test may have set already.
+        before = request_slice(5000)
         go, earlier = threading.Event(), []
         waiting = threading.Thread(target=lambda: (go.wait(), earlier.append(current_slice_us())))
         waiting.start()  # a thread already running when the slice is asked for
@@ -63,10 +65,10 @@ def test_a_slice_is_taken_kept_with_the_nice_value_and_inherited() -> None:
     if not _kernel_has_slices():  # the worker runs at the kernel's default, as before
         assert applied is None
         return
-    assert before is not None and before > 100  # the kernel's default (1.4 ms here)
+    assert before == 5000.0
     assert applied == 100.0
-    assert thread == 100.0, "a thread started afterwards runs at the kernel's default"
-    assert earlier == 100.0, "a thread started before runs at the kernel's default"
+    assert thread == 100.0, "a thread started afterwards keeps the slice of before"
+    assert earlier == 100.0, "a thread started before keeps the slice of before"
     assert child == 0, "a forked child does not keep the slice"
 
 
