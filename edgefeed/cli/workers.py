@@ -364,7 +364,6 @@ def _serve_child(spec: _ChildSpec, slot: ChildSlot) -> int:
     from workers.supervisor import Cluster
 
     settings = spec.settings.for_child(slot.processes)
-    settings.apply_sched_slice()  # inherited from the supervisor; asked again all the same
     registry = CollectorRegistry()
     try:
         served = _load_model(
