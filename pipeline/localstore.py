@@ -114,6 +114,16 @@ def _options(cache: Any) -> Any:
     options.set_compression_type(rocksdict.DBCompressionType.lz4())
     table = rocksdict.BlockBasedOptions()
     table.set_block_cache(cache)
+    # The index of every table file lives in the block cache, so the store's memory
+    # is the cache's size whatever the number of entities: left outside it (RocksDB's
+    # default), a table's index stays in memory while the file is open, ~2.5% of the
+    # store on disk (713 MB for a worker of a 10M-user region against 274 at 10k).
+    # Partitioned (two-level): a lookup reads one small index partition instead of
+    # a file's whole index, and only the top level (a few KB per file) is pinned.
+    # Files written before this keep their one-level index; RocksDB reads both.
+    table.set_index_type(rocksdict.BlockBasedIndexType.two_level_index_search())
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_pin_top_level_index_and_filter(True)
     options.set_block_based_table_factory(table)
     options.set_write_buffer_size(8 << 20)
     options.set_max_write_buffer_number(2)
