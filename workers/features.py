@@ -152,10 +152,13 @@ class EdgeCacheFeatureSource:
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
-        for (entity, features), waiters in pending.items():
+        if len(pending) == 1:
+            ((entity, features), waiters), *_ = pending.items()
             task = asyncio.create_task(self._answer(entity, features, waiters))
-            self._flushing.add(task)
-            task.add_done_callback(self._flushing.discard)
+        else:  # the user's and the items' lookups: one write, one round trip
+            task = asyncio.create_task(self._answer_all(pending))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
 
     async def _answer(
         self, entity: str, features: tuple[str, ...] | None, waiters: list[_Waiter]
@@ -164,31 +167,42 @@ class EdgeCacheFeatureSource:
         if not waiters:  # every asker was cancelled (client gone) before the turn ended
             return
         self.lookups += 1
-        if len(waiters) == 1:
-            ids, future = waiters[0]
-            union: Sequence[str] = ids
-        else:
-            union = list(dict.fromkeys(i for ids, _ in waiters for i in ids))
+        union = _union(waiters)
         try:
             values, mask = await self._lookup(entity, union, features)
         except Exception as exc:  # each asker gets the lookup's error as its own
-            for _, future in waiters:
-                if not future.done():
-                    future.set_exception(exc)
+            _fail(waiters, exc)
             return
         except BaseException:  # cancelled (shutdown): the askers must not hang
-            for _, future in waiters:
-                future.cancel()
+            _cancel(waiters)
             raise
-        if len(waiters) == 1:
-            if not future.done():
-                future.set_result((values, mask))
+        _deliver(waiters, union, values, mask)
+
+    async def _answer_all(self, pending: dict[_Group, list[_Waiter]]) -> None:
+        """Every group's lookup in one :meth:`AsyncFeatureClient.get_many` call."""
+        groups: list[tuple[str, tuple[str, ...] | None, list[_Waiter], Sequence[str]]] = []
+        for (entity, features), waiters in pending.items():
+            waiters = [(ids, future) for ids, future in waiters if not future.done()]
+            if waiters:
+                groups.append((entity, features, waiters, _union(waiters)))
+        if not groups:
             return
-        position = {item: row for row, item in enumerate(union)}
-        for ids, future in waiters:
-            if not future.done():
-                rows = np.fromiter((position[i] for i in ids), dtype=np.intp, count=len(ids))
-                future.set_result((values[rows], mask[rows]))
+        self.lookups += len(groups)
+        try:
+            results = await self.client.get_many(
+                [(entity, list(union), features) for entity, features, _, union in groups],
+                self._max_staleness,
+                return_exceptions=True,
+            )
+        except BaseException:  # cancelled (shutdown): the askers must not hang
+            for _, _, waiters, _ in groups:
+                _cancel(waiters)
+            raise
+        for (entity, _, waiters, union), result in zip(groups, results, strict=True):
+            if isinstance(result, Exception):
+                _fail(waiters, _worker_error(entity, result))
+            else:
+                _deliver(waiters, union, *_arrays(result))
 
     async def _lookup(
         self, entity: str, ids: Sequence[str], features: Sequence[str] | None
@@ -196,27 +210,9 @@ class EdgeCacheFeatureSource:
         """One lookup through the client, its errors turned into worker errors."""
         try:
             result = await self.client.get(entity, list(ids), features, self._max_staleness)
-        except LookupOverloadedError as exc:  # this worker's overload, not the region's
-            raise QueueFullError(
-                f"this worker takes more requests than it can look up in time: {exc}",
-                retry_after_s=exc.retry_after_s,
-            ) from None
-        except RegionUnavailableError as exc:
-            raise FeatureLookupError(f"feature lookup failed: {exc}", retryable=True) from None
-        except (SchemaVersionError, UnknownEntityError, UnknownFeatureError) as exc:
-            raise FeatureLookupError(
-                f"feature lookup of {entity!r} failed: {exc}; the model's feature list and "
-                "the region's schemas disagree",
-                retryable=False,
-            ) from None
         except EdgeCacheError as exc:
-            raise FeatureLookupError(
-                f"feature lookup of {entity!r} failed: {exc}", retryable=exc.retryable
-            ) from None
-        # A corrupt value (result.corrupt, counted and logged by the client) and a
-        # stored NaN read as missing: the request's on_missing policy decides.
-        values: Any = result.to_numpy()
-        return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
+            raise _worker_error(entity, exc) from None
+        return _arrays(result)
 
     def schema(self, entity: str) -> FeatureSchema | None:
         """The schema this source reads ``entity`` with (None: not one it reads)."""
@@ -229,3 +225,66 @@ class EdgeCacheFeatureSource:
             await asyncio.gather(*self._flushing, return_exceptions=True)
         if self._owns:
             await self.client.close()
+
+
+def _union(waiters: list[_Waiter]) -> Sequence[str]:
+    """The ids of every asker, each once, in the order first asked."""
+    if len(waiters) == 1:
+        return waiters[0][0]
+    return list(dict.fromkeys(i for ids, _ in waiters for i in ids))
+
+
+def _deliver(
+    waiters: list[_Waiter], union: Sequence[str], values: np.ndarray, mask: np.ndarray
+) -> None:
+    """Each asker its own rows of the lookup of ``union``, in its order."""
+    if len(waiters) == 1:
+        future = waiters[0][1]
+        if not future.done():
+            future.set_result((values, mask))
+        return
+    position = {item: row for row, item in enumerate(union)}
+    for ids, future in waiters:
+        if not future.done():
+            rows = np.fromiter((position[i] for i in ids), dtype=np.intp, count=len(ids))
+            future.set_result((values[rows], mask[rows]))
+
+
+def _fail(waiters: list[_Waiter], exc: BaseException) -> None:
+    for _, future in waiters:
+        if not future.done():
+            future.set_exception(exc)
+
+
+def _cancel(waiters: list[_Waiter]) -> None:
+    for _, future in waiters:
+        future.cancel()
+
+
+def _arrays(result: Any) -> tuple[np.ndarray, np.ndarray]:
+    # A corrupt value (result.corrupt, counted and logged by the client) and a
+    # stored NaN read as missing: the request's on_missing policy decides.
+    values: Any = result.to_numpy()
+    return np.asarray(values, dtype=np.float32), np.asarray(result.mask, dtype=bool)
+
+
+def _worker_error(entity: str, exc: Exception) -> Exception:
+    """The edge cache's error as the worker answers it."""
+    if isinstance(exc, LookupOverloadedError):  # this worker's overload, not the region's
+        return QueueFullError(
+            f"this worker takes more requests than it can look up in time: {exc}",
+            retry_after_s=exc.retry_after_s,
+        )
+    if isinstance(exc, RegionUnavailableError):
+        return FeatureLookupError(f"feature lookup failed: {exc}", retryable=True)
+    if isinstance(exc, SchemaVersionError | UnknownEntityError | UnknownFeatureError):
+        return FeatureLookupError(
+            f"feature lookup of {entity!r} failed: {exc}; the model's feature list and "
+            "the region's schemas disagree",
+            retryable=False,
+        )
+    if isinstance(exc, EdgeCacheError):
+        return FeatureLookupError(
+            f"feature lookup of {entity!r} failed: {exc}", retryable=exc.retryable
+        )
+    return exc

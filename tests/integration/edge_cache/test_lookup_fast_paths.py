@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+import redis.asyncio as aioredis
 from edge_cache_stack import READ_TIMEOUT_S
 from prometheus_client import CollectorRegistry
 
@@ -30,6 +31,7 @@ from edge_cache import (
     RegionSettings,
     RegionUnavailableError,
     Schedule,
+    UnknownEntityError,
     Upsert,
 )
 
@@ -193,3 +195,115 @@ def test_a_kept_connection_the_server_closed_is_replaced_not_a_region_failure(
         for sample in family.samples
     ]
     assert failures == []
+
+
+# -- several lookups in one call (AsyncFeatureClient.get_many): the ranker's user and
+# items read in one write and one round trip, each answer what get alone gives --------
+
+USERS = ["full", "partial", "old", "gone", "absent", "garbage", "hash", "nan"]
+TIMES = ["taken", "waiting", "absent"]
+
+
+def _equal(one: FeatureVectors, other: FeatureVectors) -> None:
+    assert one.ids == other.ids and one.region == other.region
+    assert one.rebuilding == other.rebuilding
+    assert np.array_equal(one.values, other.values, equal_nan=True)
+    for name in ("present", "found", "stale"):
+        assert np.array_equal(getattr(one, name), getattr(other, name)), name
+    for name in ("commit_time", "write_time"):  # as integers: NaT is not equal to itself
+        assert np.array_equal(
+            getattr(one, name).view(np.int64), getattr(other, name).view(np.int64)
+        )
+    assert one.to_dicts() == other.to_dicts() and one.corrupt == other.corrupt
+
+
+def _run(client: AsyncFeatureClient, coroutine: Any) -> Any:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine(client))
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+
+
+def test_lookups_read_together_answer_as_each_alone_in_one_write(
+    regions: list[RegionSettings],
+    make_writer: Callable[..., FeatureWriter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    home = regions[0].model_copy(update={"failover": []})
+    now = time.time()
+    _seed(home, make_writer(home, [USER, TIMED]), now)
+    writes: list[int] = []  # the MGETs in each write that holds any
+    send = aioredis.Connection.send_packed_command
+
+    async def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        data = command if isinstance(command, bytes) else b"".join(command)
+        if b"MGET" in data:
+            writes.append(data.count(b"\r\nMGET\r\n"))
+        await send(self, command, check_health)
+
+    monkeypatch.setattr(aioredis.Connection, "send_packed_command", counted)
+
+    async def check(client: AsyncFeatureClient) -> None:
+        for entity in ("user", "timed"):  # the schemas read, a connection made
+            await client.get(entity, ["full"])
+        for bound, at in ((None, None), (60.0, None), (None, now + 2 * 3600 + 60)):
+            del writes[:]
+            both = await client.get_many(
+                [("user", USERS, None), ("timed", TIMES, ["w1"])], max_staleness=bound, at=at
+            )
+            assert writes == [2]  # both lookups' MGET (and EXISTS) in one write
+            alone = [
+                await client.get("user", USERS, max_staleness=bound, at=at),
+                await client.get("timed", TIMES, ["w1"], max_staleness=bound, at=at),
+            ]
+            for together, single in zip(both, alone, strict=True):
+                assert isinstance(together, FeatureVectors)
+                _equal(single, together)
+        assert client.breakers[home.name].state == "closed"
+
+    registry = CollectorRegistry()
+    _run(
+        AsyncFeatureClient(
+            home.name, [home], [USER, TIMED], registry=registry, timeout_s=READ_TIMEOUT_S
+        ),
+        check,
+    )
+
+
+def test_each_lookup_gets_its_own_error_and_the_others_their_answer(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    home = regions[0].model_copy(update={"failover": []})
+    _seed(home, make_writer(home, [USER, TIMED]), time.time())
+
+    async def check(client: AsyncFeatureClient) -> None:
+        lookups: list[Any] = [("user", ["full"], None), ("nobody", ["x"], None)]
+        answers = await client.get_many(lookups, return_exceptions=True)
+        assert isinstance(answers[0], FeatureVectors) and answers[0].found.tolist() == [True]
+        assert isinstance(answers[1], UnknownEntityError) and "nobody" in str(answers[1])
+        with pytest.raises(UnknownEntityError, match="nobody"):
+            await client.get_many(lookups)
+        assert await client.get_many([]) == []
+
+    _run(AsyncFeatureClient(home.name, [home], [USER, TIMED], timeout_s=READ_TIMEOUT_S), check)
+
+
+def test_a_region_down_fails_every_lookup_read_with_it_as_get_does(
+    regions: list[RegionSettings],
+) -> None:
+    dead = regions[0].model_copy(
+        update={"failover": [], "redis_url": f"redis://127.0.0.1:{_refusing_port()}/0"}
+    )
+
+    async def check(client: AsyncFeatureClient) -> None:
+        answers = await client.get_many(
+            [("user", ["a", "b"], None), ("timed", ["c"], None)], return_exceptions=True
+        )
+        assert all(isinstance(answer, RegionUnavailableError) for answer in answers)
+        for answer, entity in zip(answers, ("user", "timed"), strict=True):
+            assert f"entity type {entity!r}" in str(answer)
+            assert f"{dead.name}: connection failed" in str(answer)
+
+    _run(AsyncFeatureClient(dead.name, [dead], [USER, TIMED], timeout_s=READ_TIMEOUT_S), check)

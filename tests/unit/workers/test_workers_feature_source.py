@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_cache import PoolExhaustedError, RegionUnavailableError
+from edge_cache import PoolExhaustedError, RegionUnavailableError, UnknownEntityError
 from workers.exceptions import FeatureLookupError, QueueFullError
 from workers.features import EdgeCacheFeatureSource, pool_size
 
@@ -53,6 +53,7 @@ class _Table:
         self.table = table
         self.delay = delay
         self.calls: list[tuple[str, list[str], Any]] = []
+        self.joint: list[list[str]] = []  # the entities of each get_many call
 
     async def get(self, entity: str, ids: list[str], features: Any, staleness: Any) -> Any:
         self.calls.append((entity, list(ids), features))
@@ -61,6 +62,21 @@ class _Table:
         rows = [self.table.get(i, [math.nan, math.nan]) for i in ids]
         values = np.array(rows, dtype=np.float64).reshape(len(ids), 2)
         return SimpleNamespace(to_numpy=lambda: values, mask=np.isnan(values))
+
+    async def get_many(
+        self, lookups: list[tuple[str, list[str], Any]], staleness: Any, **options: Any
+    ) -> list[Any]:
+        """As AsyncFeatureClient.get_many: each lookup's answer or its error, in order."""
+        self.joint.append([entity for entity, _, _ in lookups])
+        answers: list[Any] = []
+        for entity, ids, features in lookups:
+            try:
+                answers.append(await self.get(entity, ids, features, staleness))
+            except Exception as exc:
+                if not options.get("return_exceptions"):
+                    raise
+                answers.append(exc)
+        return answers
 
 
 TABLE = {"u1": [1.0, 2.0], "a": [10.0, 11.0], "b": [20.0, 21.0], "c": [30.0, 31.0]}
@@ -81,6 +97,7 @@ async def test_lookups_asked_together_are_one_lookup_per_entity_each_answer_its_
         ("user", ["u1"], ("f", "g")),
     ]
     assert (source.calls, source.lookups) == (4, 2)
+    assert client.joint == [["user", "item"]]  # both in one call: one write, one round trip
     (users, user_mask), (first, _), (second, second_mask), (third, _) = answers
     assert users.tolist() == [[1.0, 2.0]] and not user_mask.any()
     assert first.tolist() == [[30.0, 31.0], [10.0, 11.0]]
@@ -94,7 +111,26 @@ async def test_a_different_feature_list_is_a_separate_lookup() -> None:
     client = _Table(TABLE)
     source = EdgeCacheFeatureSource(client, owns_client=False)  # type: ignore[arg-type]
     await asyncio.gather(source.get("item", ["a"], ["f", "g"]), source.get("item", ["a"], None))
-    assert len(client.calls) == 2
+    assert len(client.calls) == 2 and client.joint == [["item", "item"]]
+
+
+async def test_in_a_joint_lookup_each_entity_gets_its_own_error_typed() -> None:
+    """The user's lookup fails (an entity the region's schemas lack), the items' is
+    answered: each asker gets its own group's outcome."""
+
+    class _Partial(_Table):
+        async def get(self, entity: str, ids: list[str], features: Any, staleness: Any) -> Any:
+            if entity == "user":
+                raise UnknownEntityError("unknown entity type 'user'")
+            return await super().get(entity, ids, features, staleness)
+
+    source = EdgeCacheFeatureSource(_Partial(TABLE), owns_client=False)  # type: ignore[arg-type]
+    user, items = await asyncio.gather(
+        source.get("user", ["u1"]), source.get("item", ["a"]), return_exceptions=True
+    )
+    assert isinstance(user, FeatureLookupError) and user.http_status == 500
+    assert "schemas disagree" in str(user)
+    assert not isinstance(items, BaseException) and items[0].tolist() == [[10.0, 11.0]]
 
 
 async def test_a_failed_coalesced_lookup_fails_every_request_of_it_typed() -> None:
