@@ -12,12 +12,14 @@ and turns the edge cache's errors into worker errors.
 Lookups are coalesced: :class:`EdgeCacheFeatureSource` holds a lookup for a
 few event loop turns, and answers every lookup asked for meanwhile with one
 lookup per entity (the union of their ids, each id read once) instead of one
-round trip per request and entity. A turn of an idle loop takes microseconds,
-so a lone request pays next to nothing; under load turns are longer and more
-requests join (on the ranker's benchmark, 2 requests per ``MGET`` at
-saturation). Per request, the answer is what its own lookup would have
-returned: its rows, in its order, with its mask; an error reaches every
-request of the lookup.
+round trip per request and entity; the lookups of different entities (a ranking
+request's user and items) go together through
+:meth:`edge_cache.AsyncFeatureClient.get_many`: one write, one round trip. A
+turn of an idle loop takes microseconds, so a lone request pays next to
+nothing; under load turns are longer and more requests join (on the ranker's
+benchmark, 2 requests per ``MGET`` at saturation). Per request, the answer is
+what its own lookup would have returned: its rows, in its order, with its mask;
+an error reaches every request of its entity's lookup.
 """
 
 from __future__ import annotations
