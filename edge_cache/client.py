@@ -373,18 +373,30 @@ async def _amget(
 
 async def _amget_many(
     client: aioredis.Redis, key_lists: Sequence[list[str]], redirect: int | None = None
-) -> list[tuple[list[bytes | None], int]]:
-    """Several :func:`_amget` reads in one write on one connection; their answers in order."""
+) -> list[tuple[list[bytes | None], int] | ResponseError]:
+    """Several :func:`_amget` reads in one write on one connection; their answers in
+    order. An error reply (an ACL refusing one read's keys) is that read's answer:
+    it is read whole, so the replies after it stay in step."""
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         if redirect is not None and getattr(connection, "edgefeed_redirect", None) != redirect:
             await connection.disconnect()
         await connection.send_packed_command(b"".join([_pack_reads(keys) for keys in key_lists]))
-        answers = []
+        answers: list[tuple[list[bytes | None], int] | ResponseError] = []
         for _ in key_lists:
-            values = await connection.read_response()
-            answers.append((values, int(await connection.read_response())))
+            refused: ResponseError | None = None
+            values: Any = None
+            existing = 0
+            try:
+                values = await connection.read_response()
+            except ResponseError as exc:
+                refused = exc
+            try:
+                existing = int(await connection.read_response())
+            except ResponseError as exc:
+                refused = refused or exc
+            answers.append(refused if refused is not None else (values, existing))
         return answers
     except BaseException:
         await connection.disconnect()
@@ -809,19 +821,23 @@ class AsyncFeatureClient(_Base):
         """Several lookups at once, each ``(entity, ids, features)`` as :meth:`get` takes
         them; their results in the same order, each what :meth:`get` would return.
 
-        Their first reads that go to the same region (all of them, unless one fails
-        over, reads a schema or meets a key of another type) travel in one write and
-        come back in one round trip, on one connection: a ranking request's user and
-        items cost the event loop one send and one wake-up instead of two of each.
+        Their first data reads that go to the same region (not a cluster's) travel in
+        one write and come back in one round trip on one connection: a ranking
+        request's user and items cost the event loop one send and one wake-up instead
+        of two of each. What a lookup still needs after that read (failover, a schema,
+        the region's rebuilds, ``TYPE`` of wrong-typed keys) runs concurrently with
+        the others', each as in :meth:`get`, within the same region deadline. A
+        failed joint read is the failure of each lookup in it; an error reply to one
+        lookup's commands (an ACL refusing its keys) is that lookup's alone.
 
         Args:
             return_exceptions: Put a lookup's error in its place in the list instead of
-                raising the first one (as :func:`asyncio.gather` does); the other
-                lookups' results are kept either way until then.
+                raising it (as :func:`asyncio.gather` does).
 
         Raises:
             The first lookup's error, in the order of ``lookups``, unless
-            ``return_exceptions`` (see :meth:`get`).
+            ``return_exceptions`` (see :meth:`get`); an argument error before any
+            I/O.
         """
         started = time.perf_counter()
         budget = self.timeout_s if timeout_s is None else timeout_s
@@ -833,23 +849,31 @@ class AsyncFeatureClient(_Base):
                 run = self.core.start(plan, self.breakers, self.near, started)
                 step = run.send(None)
             except Exception as exc:
+                if not return_exceptions:
+                    raise
                 results[index] = exc
                 continue
             if step is None:  # answered by the near cache
                 results[index] = run.result
             else:
                 pending.append((index, run, step))
+        since: tuple[str, float] | None = None  # the joint read's region and its start
         joint = self._joinable([step for _, _, step in pending])
         if joint:
-            rest = [entry for at, entry in enumerate(pending) if at not in joint]
+            region = pending[joint[0]][2].region
+            rest = [entry for position, entry in enumerate(pending) if position not in joint]
             try:
-                replies = await self._read_jointly([pending[at][2] for at in joint], budget)
+                asked, replies = await self._read_jointly(
+                    [pending[position][2] for position in joint], budget
+                )
+                since = (region, asked)
             except Exception as exc:  # no connection in time (PoolExhaustedError)
-                replies = []
-                for at in joint:
-                    results[pending[at][0]] = exc
-            for at, reply in zip(joint if replies else [], replies, strict=True):
-                index, run, _ = pending[at]
+                replies = [exc] * len(joint)
+            for position, reply in zip(joint, replies, strict=True):
+                index, run, _ = pending[position]
+                if isinstance(reply, Exception):  # this lookup's error reply, as get raises it
+                    results[index] = reply
+                    continue
                 try:
                     after = run.send(reply)
                 except Exception as exc:
@@ -859,20 +883,33 @@ class AsyncFeatureClient(_Base):
                     results[index] = run.result
                 else:
                     rest.append((index, run, after))
-            pending = sorted(rest, key=lambda entry: entry[0])
-        for index, run, step in pending:  # what is left, one lookup after another
-            try:
-                results[index] = await self._drive(run, step, budget)
-            except Exception as exc:
-                results[index] = exc
+            pending = rest
+        if pending:
+            outcomes = await asyncio.gather(
+                *(self._drive(run, step, budget, since) for _, run, step in pending),
+                return_exceptions=True,
+            )
+            for (index, _, _), outcome in zip(pending, outcomes, strict=True):
+                if isinstance(outcome, Exception | FeatureVectors):
+                    results[index] = outcome
+                else:  # cancelled, or worse: not a lookup's error
+                    raise outcome
         if not return_exceptions:
             for result in results:
                 if isinstance(result, Exception):
                     raise result
         return results  # type: ignore[return-value]
 
-    async def _drive(self, run: LookupRun, step: Step | None, budget: float) -> FeatureVectors:
-        """Run a lookup's steps from ``step`` on, each region's within ``budget``."""
+    async def _drive(
+        self,
+        run: LookupRun,
+        step: Step | None,
+        budget: float,
+        since: tuple[str, float] | None = None,
+    ) -> FeatureVectors:
+        """Run a lookup's steps from ``step`` on, each region's within ``budget`` from
+        when the call got one of its connections (for ``since``'s region: from when
+        the joint read that went before got its connection)."""
         held: str | None = None  # the region one of whose connections this call holds
         asked = 0.0
         try:
@@ -884,6 +921,8 @@ class AsyncFeatureClient(_Base):
                     await self._admit(step.region, budget)
                     held = step.region
                     asked = asyncio.get_running_loop().time()  # the region's time starts
+                    if since is not None and since[0] == held:
+                        asked, since = since[1], None  # it started with the joint read
                 step = run.send(await self._execute(step, asked, budget))
         finally:
             if held is not None:
@@ -909,7 +948,7 @@ class AsyncFeatureClient(_Base):
         """Positions of the steps that can share one write: data reads (``MGET``) from
         the region of the first one, tracked alike, on a client that is not a cluster
         (a cluster spreads keys over nodes); [] when fewer than two."""
-        reads = [at for at, step in enumerate(steps) if isinstance(step, Read)]
+        reads = [position for position, step in enumerate(steps) if isinstance(step, Read)]
         if len(reads) < 2:
             return []
         first = steps[reads[0]]
@@ -917,15 +956,18 @@ class AsyncFeatureClient(_Base):
         if isinstance(self.clients[first.region], aioredis.RedisCluster):
             return []
         joint = [
-            at
-            for at in reads
-            if steps[at].region == first.region and steps[at].tracked == first.tracked  # type: ignore[union-attr]
+            position
+            for position in reads
+            if steps[position].region == first.region and steps[position].tracked == first.tracked  # type: ignore[union-attr]
         ]
         return joint if len(joint) > 1 else []
 
-    async def _read_jointly(self, steps: Sequence[Step], budget_s: float) -> list[Reply]:
-        """Data reads of one region in one write and one round trip (see :meth:`get_many`);
-        a failure is every read's."""
+    async def _read_jointly(
+        self, steps: Sequence[Step], budget_s: float
+    ) -> tuple[float, list[Reply | Exception]]:
+        """Data reads of one region in one write and one round trip (see
+        :meth:`get_many`): the loop time the region's connection was had, and each
+        read's answer, Failure (the joint read's) or error reply (its own)."""
         region = steps[0].region
         await self._admit(region, budget_s)
         try:
@@ -935,12 +977,17 @@ class AsyncFeatureClient(_Base):
             redirect = listener.client_id if tracked and listener is not None else None
             client = self.clients[region]
             keys = [step.keys for step in steps if isinstance(step, Read)]
-            reply = await self._within(region, _amget_many(client, keys, redirect), asked, budget_s)  # type: ignore[arg-type]
+            reply = await self._within(
+                region,
+                _amget_many(client, keys, redirect),  # type: ignore[arg-type]
+                asked,
+                budget_s,
+            )
         finally:
             self.gates[region].release()
         if isinstance(reply, Failure):
-            return [reply] * len(steps)
-        return list(reply)
+            return asked, [reply] * len(steps)
+        return asked, list(reply)
 
     async def _execute(self, step: Step, asked: float, budget_s: float) -> Reply:
         """One step, within the region's deadline (``budget_s`` after ``asked``, the

@@ -196,15 +196,23 @@ class EdgeCacheFeatureSource:
                 self._max_staleness,
                 return_exceptions=True,
             )
+        except Exception as exc:  # not a lookup's error: every asker gets it
+            for _, _, waiters, _ in groups:
+                _fail(waiters, exc)
+            return
         except BaseException:  # cancelled (shutdown): the askers must not hang
             for _, _, waiters, _ in groups:
                 _cancel(waiters)
             raise
-        for (entity, _, waiters, union), result in zip(groups, results, strict=True):
-            if isinstance(result, Exception):
-                _fail(waiters, _worker_error(entity, result))
-            else:
-                _deliver(waiters, union, *_arrays(result))
+        try:
+            for (entity, _, waiters, union), result in zip(groups, results, strict=True):
+                if isinstance(result, Exception):
+                    _fail(waiters, _worker_error(entity, result))
+                else:
+                    _deliver(waiters, union, *_arrays(result))
+        finally:  # a group whose answer could not be delivered must not hang its askers
+            for _, _, waiters, _ in groups:
+                _fail(waiters, FeatureLookupError("feature lookup failed", retryable=True))
 
     async def _lookup(
         self, entity: str, ids: Sequence[str], features: Sequence[str] | None

@@ -27,6 +27,7 @@ from edge_cache import (
     FeatureVectors,
     FeatureWriter,
     KeyLayout,
+    PoolExhaustedError,
     Position,
     RegionSettings,
     RegionUnavailableError,
@@ -279,10 +280,15 @@ def test_each_lookup_gets_its_own_error_and_the_others_their_answer(
     _seed(home, make_writer(home, [USER, TIMED]), time.time())
 
     async def check(client: AsyncFeatureClient) -> None:
-        lookups: list[Any] = [("user", ["full"], None), ("nobody", ["x"], None)]
+        lookups: list[Any] = [
+            ("user", ["full"], None),
+            ("nobody", ["x"], None),
+            ("timed", ["taken"], None),
+        ]
         answers = await client.get_many(lookups, return_exceptions=True)
         assert isinstance(answers[0], FeatureVectors) and answers[0].found.tolist() == [True]
         assert isinstance(answers[1], UnknownEntityError) and "nobody" in str(answers[1])
+        assert isinstance(answers[2], FeatureVectors) and answers[2].found.tolist() == [True]
         with pytest.raises(UnknownEntityError, match="nobody"):
             await client.get_many(lookups)
         assert await client.get_many([]) == []
@@ -307,3 +313,73 @@ def test_a_region_down_fails_every_lookup_read_with_it_as_get_does(
             assert f"{dead.name}: connection failed" in str(answer)
 
     _run(AsyncFeatureClient(dead.name, [dead], [USER, TIMED], timeout_s=READ_TIMEOUT_S), check)
+
+
+def test_a_joint_read_cut_by_its_deadline_leaves_the_connections_clean(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    """The server pauses past the deadline mid-call: both lookups fail as the region's
+    timeout (nothing else was answered meanwhile), the half-read connection is never
+    reused (the next calls read their own replies), and every connection permit is back."""
+    home = regions[0].model_copy(update={"failover": []})
+    _seed(home, make_writer(home, [USER, TIMED]), time.time())
+
+    async def check(client: AsyncFeatureClient) -> None:
+        lookups: list[Any] = [("user", ["full"], None), ("timed", ["taken"], None)]
+        await client.get_many(lookups)  # schemas read, a connection made
+        admin = aioredis.Redis.from_url(home.redis_url)
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")  # type: ignore[no-untyped-call]
+            answers = await client.get_many(lookups, timeout_s=0.2, return_exceptions=True)
+        finally:
+            await admin.aclose()
+        assert all(isinstance(answer, RegionUnavailableError) for answer in answers)
+        assert all("timed out after 0.2 s" in str(answer) for answer in answers)
+        assert client.gates[home.name]._value == client.max_connections
+        deadline = time.monotonic() + 10
+        while True:  # the pause ends, then the breaker lets a probe through
+            again = await client.get_many(lookups, return_exceptions=True)
+            if all(isinstance(answer, FeatureVectors) for answer in again):
+                break
+            assert time.monotonic() < deadline, again
+            await asyncio.sleep(0.1)
+        user, timed = again
+        assert isinstance(user, FeatureVectors) and user.to_dicts() == [
+            {"a": 1.0, "b": 2.0, "c": 3.0}
+        ]
+        assert isinstance(timed, FeatureVectors) and timed.ids == ("taken",)
+        assert client.gates[home.name]._value == client.max_connections
+
+    _run(
+        AsyncFeatureClient(
+            home.name, [home], [USER, TIMED], timeout_s=READ_TIMEOUT_S, breaker_reset_s=0.2
+        ),
+        check,
+    )
+
+
+def test_no_connection_in_time_sheds_every_joint_lookup_as_this_process_overload(
+    regions: list[RegionSettings], make_writer: Callable[..., FeatureWriter]
+) -> None:
+    home = regions[0].model_copy(update={"failover": []})
+    _seed(home, make_writer(home, [USER, TIMED]), time.time())
+
+    async def check(client: AsyncFeatureClient) -> None:
+        lookups: list[Any] = [("user", ["full"], None), ("timed", ["taken"], None)]
+        await client.get_many(lookups)
+        await client.gates[home.name].acquire()  # another call holds the one connection
+        try:
+            answers = await client.get_many(lookups, timeout_s=0.05, return_exceptions=True)
+        finally:
+            client.gates[home.name].release()
+        assert all(isinstance(answer, PoolExhaustedError) for answer in answers)
+        assert client.breakers[home.name].state == "closed"  # not the region's failure
+        assert all(isinstance(a, FeatureVectors) for a in await client.get_many(lookups))
+        assert client.gates[home.name]._value == 1
+
+    _run(
+        AsyncFeatureClient(
+            home.name, [home], [USER, TIMED], timeout_s=READ_TIMEOUT_S, max_connections=1
+        ),
+        check,
+    )

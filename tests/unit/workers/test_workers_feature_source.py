@@ -125,9 +125,10 @@ async def test_in_a_joint_lookup_each_entity_gets_its_own_error_typed() -> None:
             return await super().get(entity, ids, features, staleness)
 
     source = EdgeCacheFeatureSource(_Partial(TABLE), owns_client=False)  # type: ignore[arg-type]
-    user, items = await asyncio.gather(
+    answers: list[Any] = await asyncio.gather(
         source.get("user", ["u1"]), source.get("item", ["a"]), return_exceptions=True
     )
+    user, items = answers
     assert isinstance(user, FeatureLookupError) and user.http_status == 500
     assert "schemas disagree" in str(user)
     assert not isinstance(items, BaseException) and items[0].tolist() == [[10.0, 11.0]]
@@ -140,6 +141,42 @@ async def test_a_failed_coalesced_lookup_fails_every_request_of_it_typed() -> No
         source.get("item", ["a"]), source.get("item", ["b"]), return_exceptions=True
     )
     assert all(isinstance(r, FeatureLookupError) and r.http_status == 503 for r in results)
+
+
+async def test_a_joint_lookup_that_breaks_fails_its_askers_never_leaves_them_hanging() -> None:
+    """get_many raising (a bug, not a lookup's error): every asker of every group gets
+    the error (a 500), none is cancelled or left waiting."""
+
+    class _Broken(_Table):
+        async def get_many(self, *args: Any, **kwargs: Any) -> list[Any]:
+            raise RuntimeError("broken client")
+
+    source = EdgeCacheFeatureSource(_Broken(TABLE), owns_client=False)  # type: ignore[arg-type]
+    answers = await asyncio.wait_for(
+        asyncio.gather(
+            source.get("user", ["u1"]),
+            source.get("item", ["a"]),
+            source.get("item", ["b"]),
+            return_exceptions=True,
+        ),
+        timeout=5,
+    )
+    assert all(isinstance(a, RuntimeError) and "broken" in str(a) for a in answers), answers
+
+
+async def test_a_shed_joint_lookup_is_a_429_for_every_asker() -> None:
+    exc = PoolExhaustedError("busy", "eu-west", retry_after_s=0.25)
+
+    class _Busy(_Table):
+        async def get(self, *args: Any, **kwargs: Any) -> Any:
+            raise exc
+
+    source = EdgeCacheFeatureSource(_Busy(TABLE), owns_client=False)  # type: ignore[arg-type]
+    answers = await asyncio.gather(
+        source.get("user", ["u1"]), source.get("item", ["a"]), return_exceptions=True
+    )
+    assert all(isinstance(a, QueueFullError) and a.http_status == 429 for a in answers)
+    assert all(a.retry_after_s == 0.25 for a in answers)  # type: ignore[union-attr]
 
 
 async def test_a_cancelled_request_leaves_the_others_of_its_lookup_answered() -> None:
