@@ -106,7 +106,7 @@ def _is_entity_key(key: bytes) -> bool:
     return bool(key) and key[0] not in _NOT_ENTITY and _SEP not in key
 
 
-def _options(cache: Any) -> Any:
+def _options(cache: Any, memtables: Any) -> Any:
     import rocksdict
 
     options = rocksdict.Options(raw_mode=True)
@@ -127,7 +127,17 @@ def _options(cache: Any) -> Any:
     options.set_block_based_table_factory(table)
     options.set_write_buffer_size(8 << 20)
     options.set_max_write_buffer_number(2)
+    # One budget for the memtables of all the worker's partitions (a database's own
+    # limit, 2 x 8 MB, would grow with the partitions a worker holds): past it
+    # RocksDB flushes the largest, without stalling writes.
+    options.set_write_buffer_manager(memtables)
     return options
+
+
+def memtable_bytes(cache_mb: int) -> int:
+    """The memtables' budget, shared by a worker's partitions: half the block cache's
+    size, at least 16 MB (two of a partition's 8 MB memtables)."""
+    return max(16, cache_mb // 2) << 20
 
 
 class PartitionStore:
@@ -399,7 +409,9 @@ class LocalStates:
         renewal_of: See :data:`RenewalOf`.
         versions: Entity type -> its feature-set version: a database built under
             other versions has its renewal index built again when opened.
-        cache_mb: RocksDB's block cache, shared by the partitions.
+        cache_mb: RocksDB's block cache, shared by the partitions (the tables' data
+            and index blocks); the memtables of all partitions share half as much
+            again (:func:`memtable_bytes`).
     """
 
     def __init__(
@@ -422,7 +434,10 @@ class LocalStates:
                 "pipeline.state_dir to a writable folder"
             ) from exc
         self._lock_fd, self.folder = self._take_folder()
-        self._options = _options(rocksdict.Cache(cache_mb << 20))
+        self._options = _options(
+            rocksdict.Cache(cache_mb << 20),
+            rocksdict.WriteBufferManager(memtable_bytes(cache_mb), False),
+        )
         self.stores: dict[int, PartitionStore] = {}
 
     def _take_folder(self) -> tuple[int, Path]:

@@ -369,7 +369,10 @@ class PipelineSettings(BaseModel):
         state_memory_mb: With ``state_dir``: the estimated memory of the entity
             states a worker keeps in memory (the least recently used clean ones
             are dropped beyond it, and read again from disk when needed).
-        state_cache_mb: With ``state_dir``: RocksDB's block cache, per worker.
+        state_cache_mb: With ``state_dir``: RocksDB's block cache, per worker (its
+            tables' data and index blocks); the memtables of all its partitions
+            share half as much again (at least 16 MB). RocksDB's memory is these
+            two whatever the number of entities.
         ready_max_behind_s: How far behind its change topic a regional worker may
             be and still answer ``/readyz`` with 200 (``pipeline run
             --metrics-port``; pipeline.probes). A worker with nothing waiting is

@@ -28,7 +28,7 @@ from test_runtime import (  # type: ignore[import-not-found]
 
 from pipeline.exceptions import StateStoreError
 from pipeline.features import EntityState, FeatureEngine
-from pipeline.localstore import ChangelogWriter, LocalStates
+from pipeline.localstore import ChangelogWriter, LocalStates, memtable_bytes
 from pipeline.metrics import PipelineMetrics
 from pipeline.runtime import BatchPolicy, Delivery, RegionRuntime
 from pipeline.runtime.region import renewal_due
@@ -110,6 +110,37 @@ def test_the_stores_memory_outside_its_cache_does_not_grow_with_its_size(
     assert sst > 20 << 20
     assert outside < sst / 2_000, (outside, sst)  # RocksDB's default: ~sst / 40
     assert 0 < in_cache <= 8 << 20  # the indexes and data blocks read, within cache_mb
+    states.close()
+
+
+def test_the_memtables_of_all_partitions_share_one_budget(tmp_path: Path) -> None:
+    """Eight partitions each written ~5 MB in checkpoints' batches, none enough for a
+    flush of its own (a partition's memtable takes 8 MB): their memtables together
+    stay near the worker's budget (16 MB with ``cache_mb=8``), not 8 x 5 MB."""
+    import os
+    import time
+
+    states = open_states(tmp_path)
+    budget = memtable_bytes(8)
+    for checkpoint in range(10):
+        for partition in range(8):
+            records = [
+                (f"user:{n:06d}".encode(), rec({"pad": os.urandom(400).hex()}))
+                for n in range(checkpoint * 500, (checkpoint + 1) * 500)
+            ]
+            states.partition(partition).apply(records, offset=checkpoint)
+
+    def total() -> int:
+        return sum(
+            states.partition(p).db.property_int_value("rocksdb.cur-size-all-mem-tables")
+            for p in range(8)
+        )
+
+    deadline = time.monotonic() + 30
+    while total() > budget * 1.25:  # flushes run on RocksDB's threads
+        assert time.monotonic() < deadline, (total(), budget)
+        time.sleep(0.05)
+    assert all(states.partition(p).load(f"user:{4_999:06d}") is not None for p in range(8))
     states.close()
 
 
