@@ -40,6 +40,13 @@ def test_lookup_benchmark_smoke(tmp_path: Path) -> None:
             assert results["cases"][f"plain redis-py {sync} {size}"]["calls"] >= 20
     assert results["feast"].startswith("skipped")
     assert "edgefeed/plain p99 100x50" in results["ratios"]
+    # millions of entities (issue 36): vectors filled in bulk, byte for byte the
+    # writer's, in several chunks; scheduled values for a subset, read from it
+    results = module.main(
+        ["--smoke", "--no-feast", "--entities", "25000", "--timed-entities", "700"]
+    )
+    assert results["checks"] and all(results["checks"].values()), results["checks"]
+    assert results["fill"]["entities"] == 25_000 and results["fill"]["timed_entities"] == 700
 
 
 def test_lookup_profile_smoke(tmp_path: Path) -> None:
