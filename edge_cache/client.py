@@ -863,9 +863,8 @@ class AsyncFeatureClient(_Base):
             region = pending[joint[0]][2].region
             rest = [entry for position, entry in enumerate(pending) if position not in joint]
             try:
-                asked, replies = await self._read_jointly(
-                    [pending[position][2] for position in joint], budget
-                )
+                reads = [pending[position][2] for position in joint]
+                asked, replies = await self._read_jointly(reads, budget)  # type: ignore[arg-type]
                 since = (region, asked)
             except Exception as exc:  # no connection in time (PoolExhaustedError)
                 replies = [exc] * len(joint)
@@ -963,30 +962,32 @@ class AsyncFeatureClient(_Base):
         return joint if len(joint) > 1 else []
 
     async def _read_jointly(
-        self, steps: Sequence[Step], budget_s: float
+        self, reads: Sequence[Read], budget_s: float
     ) -> tuple[float, list[Reply | Exception]]:
-        """Data reads of one region in one write and one round trip (see
-        :meth:`get_many`): the loop time the region's connection was had, and each
-        read's answer, Failure (the joint read's) or error reply (its own)."""
-        region = steps[0].region
+        """Data reads of one region, tracked alike (:meth:`_joinable`), in one write and
+        one round trip (see :meth:`get_many`): the loop time the region's connection
+        was had, and each read's answer, Failure (the joint read's) or error reply
+        (its own)."""
+        region = reads[0].region
         await self._admit(region, budget_s)
         try:
             asked = asyncio.get_running_loop().time()
             listener = self.listener
-            tracked = any(step.tracked for step in steps if isinstance(step, Read))
-            redirect = listener.client_id if tracked and listener is not None else None
-            client = self.clients[region]
-            keys = [step.keys for step in steps if isinstance(step, Read)]
+            redirect = listener.client_id if reads[0].tracked and listener is not None else None
             reply = await self._within(
                 region,
-                _amget_many(client, keys, redirect),  # type: ignore[arg-type]
+                _amget_many(
+                    self.clients[region],  # type: ignore[arg-type]
+                    [read.keys for read in reads],
+                    redirect,
+                ),
                 asked,
                 budget_s,
             )
         finally:
             self.gates[region].release()
         if isinstance(reply, Failure):
-            return asked, [reply] * len(steps)
+            return asked, [reply] * len(reads)
         return asked, list(reply)
 
     async def _execute(self, step: Step, asked: float, budget_s: float) -> Reply:
