@@ -34,10 +34,12 @@ from pipeline.config import PipelineConfig
 from pipeline.exceptions import SinkUnavailableError
 from pipeline.faustcompat import (
     FetchWait,
+    LeanMonitor,
     PartitionWriter,
     StuckHeads,
     fence_recovery,
     partition_offsets,
+    patch_eager_delivery,
     patch_fetch_wait,
     patch_recovery_handover,
     patch_seek_every_partition,
@@ -91,6 +93,7 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     """A Faust app with the pipeline's Kafka and timing settings."""
     kafka, pipeline = config.kafka, config.pipeline
     patch_fetch_wait(kafka.fetch_max_wait_ms)
+    patch_eager_delivery()
     # A rebalance must read again every message it cleared from the streams.
     patch_recovery_handover()
     patch_seek_every_partition()
@@ -111,6 +114,7 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
         "web_enabled": False,
         "stream_wait_empty": False,
         "producer_linger": kafka.linger_ms / 1000.0,
+        "Monitor": LeanMonitor,
     }
     credentials = kafka.security.faust_credentials()
     if credentials is not None:
