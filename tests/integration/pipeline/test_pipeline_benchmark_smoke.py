@@ -33,6 +33,11 @@ def test_pipeline_benchmark_smoke_run_measures_every_part() -> None:
     assert freshness["vectors_written"] > 0
     assert 0 < freshness["commit_to_redis_p50_ms"] <= freshness["commit_to_redis_p99_ms"]
     assert math.isfinite(freshness["commit_to_kafka_p50_ms"])
+    # measured after the warm-up; the whole run's figures beside them
+    assert freshness["warmup_s"] == 1.0 and freshness["seconds"] >= 2.5, freshness
+    assert freshness["cold_vectors_written"] > freshness["vectors_written"], freshness
+    assert 0 < freshness["kafka_samples"] < freshness["cold_kafka_samples"], freshness
+    assert 0 < freshness["cold_commit_to_redis_p50_ms"] <= freshness["cold_commit_to_redis_p99_ms"]
     # (c): windows read as of the read time stay true through renewals, measured
     renewals = report["renewals"]
     assert renewals["vectors_written"] > 0
