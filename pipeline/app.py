@@ -89,8 +89,14 @@ __all__ = [
 log = logging.getLogger("edgefeed.pipeline")
 
 
-def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.App:
-    """A Faust app with the pipeline's Kafka and timing settings."""
+def faust_app(
+    app_id: str, config: PipelineConfig, *, eager_delivery: bool = False, **overrides: Any
+) -> faust.App:
+    """A Faust app with the pipeline's Kafka and timing settings.
+
+    ``eager_delivery``: its consumer hands a message to the streams without
+    Faust's tasks per message (:func:`pipeline.faustcompat.patch_eager_delivery`;
+    the router's, which reads one small message per change)."""
     kafka, pipeline = config.kafka, config.pipeline
     patch_fetch_wait(kafka.fetch_max_wait_ms)
     patch_eager_delivery()
@@ -122,6 +128,7 @@ def faust_app(app_id: str, config: PipelineConfig, **overrides: Any) -> faust.Ap
     options.update(overrides)
     options.update(config.extra_faust)
     app = faust.App(app_id, **options)
+    app.edgefeed_eager_delivery = eager_delivery  # type: ignore[attr-defined]
     tuner = GcTuner(full_every_s=pipeline.gc_full_interval_s)
     fetch_wait = FetchWait(app, kafka.fetch_max_wait_ms, kafka.idle_fetch_max_wait_ms)
     app.edgefeed_fetch_wait = fetch_wait  # type: ignore[attr-defined]  # the agents report traffic
@@ -341,7 +348,7 @@ def build_router_app(
     table of homes is recovered after an assignment, not during a rebalance."""
     names = config.names
     app_id = names.router_group
-    app = faust_app(app_id, config)
+    app = faust_app(app_id, config, eager_delivery=True)
     fetch_wait: FetchWait = app.edgefeed_fetch_wait  # type: ignore[attr-defined]
     measured = _metrics(metrics)
     # The book of entity homes (pipeline.homes) lives in a table of one partition,

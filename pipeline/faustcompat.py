@@ -273,9 +273,11 @@ class LeanMonitor(Monitor):
     ``str(stream)``), timestamps on the message, a deque of event run times, a
     dict per event. edgefeed exports its own metrics (pipeline.metrics) and
     serves no Faust web views, so nothing reads them; in the router, which
-    consumes one Debezium record per change, they were ~5% of its CPU. Kept: what
-    Faust itself reads back (``stream_inbound_time`` for its slow-processing
-    warnings, the read offsets), and everything that is not per message.
+    consumes one Debezium record per change, they were ~4% of its CPU (what is
+    left per event: Faust's SensorDelegate still builds a dict per event, and
+    the send hooks are kept). Kept: what Faust itself reads back
+    (``stream_inbound_time`` for its slow-processing warnings, the read
+    offsets), and everything that is not per message.
     """
 
     def on_message_in(self, tp: Any, offset: int, message: Any) -> None:
@@ -337,12 +339,29 @@ def patch_eager_delivery() -> None:
 
     Patched, ``Consumer.wait_first`` called in that shape (a coroutine and one
     more waitable, the consumer neither stopped nor crashed, the flow not
-    suspended) first runs the coroutine up to its first suspension, in the
-    caller: finished there, it returns as the original would have, with the
-    other waitables closed unstarted; suspended (a full stream queue, a paused
-    flow), the rest of it goes through the original ``wait_first`` with the other
-    waitables, so a suspension of the flow still cuts it short. Every other call
-    is the original's. Once per process.
+    suspended) by the consumer of an app that asks for it
+    (``app.edgefeed_eager_delivery``, set by :func:`pipeline.app.faust_app`)
+    first runs the coroutine up to its first suspension, in the caller: finished
+    there, it returns as the original would have, with the other waitables
+    closed unstarted; suspended (a full stream queue, a paused flow), the rest
+    of it goes through the original ``wait_first`` with the other waitables, so
+    a suspension of the flow still cuts it short. Every other call is the
+    original's. Once per process.
+
+    Only the router asks: its messages are small and one per change. The
+    regional workers read packs of changes (a few messages a second, up to
+    256 KiB each), where the saving is nil and a fuller stream queue would only
+    hold more memory: handed over at once, up to ~100 messages reach the
+    stream's queue per turn of the event loop while the agent takes about one,
+    so under a backlog the queue fills to Faust's ``stream_buffer_maxsize``
+    (which then pauses the partition's fetching, as designed) where the
+    original's tasks kept it shallower.
+
+    The first step runs in the fetch loop's task, so anything in it bound to
+    the current task (``asyncio.timeout``, a ``TaskGroup``, a context variable
+    set) would bind to that task; in Faust 0.15.3 that step is the conductor's
+    handler (a lock, flow control, the producer's ebb, decoding, a queue put),
+    and none of it is.
     """
     from faust.transport.consumer import Consumer
     from mode.services import WaitResults
@@ -357,6 +376,7 @@ def patch_eager_delivery() -> None:
         if (
             first is None
             or not inspect.iscoroutine(first)
+            or not getattr(self.app, "edgefeed_eager_delivery", False)
             or self._stopped.is_set()
             or self._crashed.is_set()
             or self.suspend_flow.is_set()
