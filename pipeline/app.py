@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -378,6 +379,9 @@ def build_router_app(
     partitioner = DefaultPartitioner()
     all_partitions = list(range(partitions))
 
+    # Cached: aiokafka's murmur2 is pure Python (~3 us a key, two keys a change),
+    # and the same entities change again and again.
+    @functools.lru_cache(maxsize=1 << 16)
     def partition_of(key: str) -> int:
         # Kafka's default partitioner of the entity key: each regional partition
         # owns whole entities.
