@@ -409,15 +409,9 @@ def histogram_quantiles(
 def max_bucket(port: int, label: str, metric: str) -> float | None:
     """The upper bound of the highest bucket of a histogram that holds an observation
     (None: no observation): what the histogram can say of its maximum."""
-    samples = scrape(port, f"{metric}_bucket")
-    buckets = sorted(
-        (float("inf") if 'le="+Inf"' in k else float(k.split('le="')[1].split('"')[0]), v)
-        for k, v in samples.items()
-        if label in k
-    )
     previous = 0.0
     highest = None
-    for le, count in buckets:
+    for le, count in histogram_buckets(port, label, metric):
         if count > previous:
             highest = le
         previous = count
@@ -596,22 +590,25 @@ def freshness(
         if not thread.ready.wait(timeout=90):
             raise RuntimeError(f"the side consumer of {thread.topic} did not start in 90 s")
     label = 'region="eu-west"'
-    cold_buckets = histogram_buckets(port, label)
-    cold_cpu = {app: cpu_seconds(stack, app) for app in (router, worker)}
-    # The reading at the warm-up's end (the first progress report after it).
+    # The readings at the start and at the warm-up's end (the first progress
+    # report after it; the start itself without a warm-up).
     mark: dict[str, Any] = {}
+
+    def reading(changes: int, commit_ms: float) -> dict[str, Any]:
+        return {
+            "buckets": histogram_buckets(port, label),
+            "cpu": {app: cpu_seconds(stack, app) for app in (router, worker)},
+            "changes": changes,
+            "commit_ms": commit_ms,
+        }
 
     def at_progress(progress: LoadProgress) -> None:
         if not mark and progress.elapsed_s >= warmup_s:
-            mark.update(
-                buckets=histogram_buckets(port, label),
-                cpu={app: cpu_seconds(stack, app) for app in (router, worker)},
-                changes=progress.changes,
-                commit_ms=time.time() * 1000,
-            )
+            mark.update(reading(progress.changes, time.time() * 1000))
 
+    start = reading(0, 0.0)
     if warmup_s <= 0:
-        mark.update(buckets=cold_buckets, cpu=cold_cpu, changes=0, commit_ms=0.0)
+        mark.update(start)
     result = load.run(rate, warmup_s + seconds, on_progress=at_progress)
     time.sleep(settle_s)  # drain (and, with short windows, the windows emptying)
     cpu = {app: cpu_seconds(stack, app) - mark["cpu"][app] for app in mark["cpu"]}
@@ -621,7 +618,7 @@ def freshness(
         thread.join(timeout=10)
     final_buckets = histogram_buckets(port, label)
     quantiles = bucket_quantiles(final_buckets, (0.5, 0.99), since=mark["buckets"])
-    cold = bucket_quantiles(final_buckets, (0.5, 0.99), since=cold_buckets)
+    cold = bucket_quantiles(final_buckets, (0.5, 0.99), since=start["buckets"])
     debezium, region_topic = side.since(mark["commit_ms"]), routed.since(mark["commit_ms"])
     flushes = histogram_quantiles(
         port, "region-eu-west", (0.5, 0.99), metric="edgefeed_pipeline_batch_seconds"
