@@ -330,14 +330,17 @@ async def measure_patterns(
 ) -> dict[str, Any]:
     """A worker on the built folder applies ``count`` new events of each pattern
     (the worker's whole apply path: packs, batches, vectors, checkpoints, the
-    states' cache): changes/s of each; its RSS after them."""
+    states' cache): changes/s of each, and the vectors it wrote for them (a batch
+    writes an entity's vector once, whatever number of its changes it holds: over
+    few entities several changes fold into one write, over millions almost none
+    do); its RSS after them."""
     clock = Clock()
     now_s = load.now_ms / 1000
     gc.collect()
     base = rss_mb()
     local = open_states(folder / "state", engine)
     changelog = DiskChangelog(local, folder / "changelog.log", store_offsets(local))
-    runtime, _cache = make_runtime(
+    runtime, cache = make_runtime(
         clock, now_s, changelog, engine, checkpoint_s, store=local, memory_bytes=budget
     )
     runtime.resumed(list(range(PARTITIONS)))
@@ -346,10 +349,12 @@ async def measure_patterns(
     peak_cache = 0.0
     for n, pattern in enumerate(PATTERNS):
         stream = list(pack_changes(pattern_changes(load, n)))
-        loads = runtime.live.loads
+        loads, written = runtime.live.loads, cache.ops
         seconds, peak = await apply_messages(runtime, clock, stream, offsets)
         found[f"{pattern}_changes_per_s"] = round(2 * count / seconds)
         found[f"{pattern}_loads"] = runtime.live.loads - loads
+        found[f"{pattern}_vectors"] = cache.ops - written
+        found[f"{pattern}_vectors_per_s"] = round((cache.ops - written) / seconds)
         peak_cache = max(peak_cache, peak)
     gc.collect()
     found.update(

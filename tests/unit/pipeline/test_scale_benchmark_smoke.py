@@ -96,6 +96,10 @@ def test_bulk_built_store_restarts_into_the_apply_paths_states(
     assert bulk["dead_lettered"] == 0
     for pattern in ("round", "uniform", "hot"):
         assert bulk[f"{pattern}_changes_per_s"] > 0
+        # Every batch writes each entity it changed once: at most one vector per
+        # change, at least one per batch.
+        assert 0 < bulk[f"{pattern}_vectors"] <= bulk["new_changes"]
+        assert 0 < bulk[f"{pattern}_vectors_per_s"] <= bulk[f"{pattern}_changes_per_s"]
     # Killed with kill -9 during a load, inside a checkpoint whose records the
     # changelog holds and the store does not yet, and restarted on the same folder:
     # the worker replays exactly those records (the changelog's tail after the
