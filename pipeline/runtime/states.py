@@ -107,6 +107,7 @@ class StateCache(MutableMapping[str, EntityState]):
         state = self.loader.load(key)
         if state is None:
             return default
+        state.loaded = True  # its first vector's index is not kept (EntityEngine.schedule)
         self.loads += 1
         self._clean[key] = state
         weight = self._weights[key] = _weight(state)

@@ -413,6 +413,40 @@ def test_dirty_states_over_the_whole_budget_make_the_cache_over() -> None:
     assert not StateCache(None, budget_bytes=0).over  # without a store: never
 
 
+def test_a_state_read_back_keeps_no_index_after_its_first_vector_but_after_its_second() -> None:
+    """A state the cache has just read from the store is mostly evicted before its
+    next change (a region larger than the budget): the index built for its first
+    vector is dropped, not moved back to the read time. Changed again while still in
+    memory, it keeps the index it builds. The vectors are those of a state that was
+    never read back."""
+    user = FeatureEngine(SETTINGS.entities).engine("user")
+    state: EntityState | None = None
+    for i in range(30):  # rows across the windows, some of them ahead of the read time
+        state, _ = user.apply(state, view(i, 7, 10 + i, at_ms=T0 - 90_000_000 + i * 3_600_000))
+    assert state is not None
+
+    def copy() -> EntityState:  # rows and all: the two states change apart
+        return EntityState(orjson.loads(orjson.dumps(state)))
+
+    loader = DictLoader()
+    loader.stored["user:7"] = copy()
+    cache = StateCache(loader, budget_bytes=10**9)
+    read_back = cache.get("user:7")
+    assert read_back is not None and read_back.loaded and read_back.index is None
+    now_ms = T0 - 50_000_000
+    first = user.write_op(7, read_back, now_ms)
+    assert read_back.index is None and not read_back.loaded  # dropped once read
+    kept = copy()  # never read back: its index is built and kept
+    assert first == user.write_op(7, kept, now_ms) and kept.index is not None
+    read_back, _ = user.apply(read_back, view(100, 7, 200, at_ms=now_ms))
+    kept, _ = user.apply(kept, view(100, 7, 200, at_ms=now_ms))
+    later = now_ms + 1_000
+    second = user.write_op(7, read_back, later)
+    assert read_back.index is not None  # changed in memory: the index stays
+    assert second == user.write_op(7, kept, later)
+    assert first.schedule is not None and first.schedule.patches  # windows that move
+
+
 def test_without_a_store_nothing_is_evicted() -> None:
     cache = StateCache(None, budget_bytes=0)
     cache["e:1"] = entity()
