@@ -761,19 +761,12 @@ class EntityEngine:
             if drop and isinstance(state, EntityState):
                 state.index = None
             else:
-                self._settle(indexes, all_rows, times[0] if stay and out else None)
+                for table, index in indexes.items():
+                    if stay and out:
+                        index.view(times[0], all_rows.get(table, {}))
+                    else:
+                        index.restore(all_rows.get(table, {}))
         return out
-
-    @staticmethod
-    def _settle(
-        indexes: Mapping[str, TableIndex], all_rows: Mapping[str, Any], at_ms: int | None
-    ) -> None:
-        """The windows back at ``at_ms`` (None: the newest event)."""
-        for table, index in indexes.items():
-            if at_ms is not None:
-                index.view(at_ms, all_rows.get(table, {}))
-            else:
-                index.restore(all_rows.get(table, {}))
 
     def _read_aggregates(
         self,

@@ -353,8 +353,8 @@ async def measure_patterns(
         seconds, peak = await apply_messages(runtime, clock, stream, offsets)
         found[f"{pattern}_changes_per_s"] = round(2 * count / seconds)
         found[f"{pattern}_loads"] = runtime.live.loads - loads
-        found[f"{pattern}_vectors"] = cache.ops - written
-        found[f"{pattern}_vectors_per_s"] = round((cache.ops - written) / seconds)
+        vectors = found[f"{pattern}_vectors"] = cache.ops - written
+        found[f"{pattern}_vectors_per_s"] = round(vectors / seconds)
         peak_cache = max(peak_cache, peak)
     gc.collect()
     found.update(
