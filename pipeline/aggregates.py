@@ -185,6 +185,14 @@ class LastN(_Ranked):
         picked = at.index.newest(at.window, at.where, at.column, at.n, at.rows)
         return _padded(picked, at.n)
 
+    def reader(
+        self, window: WindowKey | None, where: tuple[tuple[str, Any], ...], column: str, n: int
+    ) -> Reader:
+        def read(index: TableIndex, rows: Mapping[str, list[Any]]) -> list[Any]:
+            return _padded(index.newest(window, where, column, n, rows), n)
+
+        return read
+
 
 class TopK(_Ranked, _GroupAggregate):
     """The ``n`` most frequent values, most frequent first."""

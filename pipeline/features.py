@@ -368,6 +368,11 @@ class EntityEngine:
             )
             for a in entity.aggregates
         ]
+        # (table, window) -> its plans: a schedule's later read times read only the
+        # windows whose rows changed.
+        self._reads_of: dict[tuple[str, WindowKey | None], list[_AggregatePlan]] = {}
+        for plan in self._reads:
+            self._reads_of.setdefault((plan.table, plan.window), []).append(plan)
         self.needs: dict[str, _TableNeeds] = {}
         for table in entity.tables:
             columns: set[str] = set()
@@ -676,12 +681,12 @@ class EntityEngine:
                 times.update(window_times)
         points = sorted(times)[: self.slots + 1]
         # The windows move forward through the read times, each step only over the rows
-        # between two, and back once at the end.
+        # between two, and stay at the last: the next schedule moves them from there.
         self._checked(values)
         # The latest values are the same at every read time: the aggregates alone tell
         # whether a read time takes on a new vector.
         read = self._aggregates_at(
-            state, [now_ms, *points[: self.slots]], stay=True, moves=moves, drop=drop
+            state, [now_ms, *points[: self.slots]], moves=moves, drop=drop, leave=True
         )
         base = values | read[0]
         patches: list[tuple[int, dict[str, Any]]] = []
@@ -721,11 +726,13 @@ class EntityEngine:
         stay: bool = False,
         moves: Mapping[str, Mapping[WindowKey | None, set[int]]] | None = None,
         drop: bool = False,
+        leave: bool = False,
     ) -> list[dict[str, Any]]:
         """The aggregates with windows read at each of ``times``: after the first, only
         the aggregates of windows whose rows changed are read again. The windows then
         go back to the newest event, or with ``stay`` to ``times[0]`` (the next
-        schedule starts near there: moving is cheap when little lies between).
+        schedule starts near there: moving is cheap when little lies between), or
+        with ``leave`` stay where the last time put them.
 
         Args:
             moves: Table -> window -> the read times after ``times[0]`` at which its
@@ -734,21 +741,30 @@ class EntityEngine:
                 window moves only at its own.
             drop: Drop the state's index afterwards instead of moving its windows
                 back (the next vector builds it again from the rows).
+            leave: Leave the windows where the last read time put them: the next
+                schedule moves them from there to its own read time in one move
+                (instead of back to ``times[0]`` now and on from there then), and a
+                state evicted before its next change never moves them back.
         """
         indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
         all_rows = state["rows"]
         out: list[dict[str, Any]] = []
+        # Table -> read time -> the windows that move then.
+        moving: dict[str, dict[int, list[WindowKey | None]]] = {}
+        for table, changes in (moves or {}).items():
+            at_time = moving[table] = {}
+            for key, window_times in changes.items():
+                for at in window_times:
+                    at_time.setdefault(at, []).append(key)
         try:
             for at_ms in times:
-                changed: set[tuple[str, WindowKey | None]] = set()
+                changed: list[tuple[str, WindowKey | None]] = []
                 for table, index in indexes.items():
                     only = None
                     if moves is not None and out:
-                        only = [k for k, ts in moves[table].items() if at_ms in ts]
-                    changed.update(
-                        (table, key)
-                        for key in index.view(at_ms, all_rows.get(table, _NO_ROWS), only)
-                    )
+                        only = moving[table].get(at_ms, ())
+                    for key in index.view(at_ms, all_rows.get(table, _NO_ROWS), only):
+                        changed.append((table, key))
                 if not out:
                     out.append(self._checked(self._read_aggregates(indexes, all_rows)))
                 elif not changed:
@@ -760,7 +776,7 @@ class EntityEngine:
         finally:
             if drop and isinstance(state, EntityState):
                 state.index = None
-            else:
+            elif not leave:
                 for table, index in indexes.items():
                     if stay and out:
                         index.view(times[0], all_rows.get(table, {}))
@@ -772,13 +788,16 @@ class EntityEngine:
         self,
         indexes: Mapping[str, TableIndex],
         all_rows: Mapping[str, Any],
-        only: set[tuple[str, WindowKey | None]] | None = None,
+        only: Iterable[tuple[str, WindowKey | None]] | None = None,
     ) -> dict[str, Any]:
         """The aggregates as the windows of ``indexes`` stand (``only``: of these windows)."""
         values: dict[str, Any] = {}
-        for plan in self._reads:
-            if only is not None and (plan.table, plan.window) not in only:
-                continue
+        plans = (
+            self._reads
+            if only is None
+            else [plan for key in only for plan in self._reads_of.get(key, ())]
+        )
+        for plan in plans:
             try:
                 computed = plan.read(indexes[plan.table], all_rows.get(plan.table, _NO_ROWS))
             except OverflowError:  # an exact sum beyond any float

@@ -20,7 +20,6 @@ restart.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -171,8 +170,10 @@ class _Group:
         self.values: dict[str, list[float]] = (
             {c: [] for c in spec.sorted} if spec.sorted else _UNUSED
         )
-        self.counters: dict[str, Counter[Any]] = (
-            {c: Counter() for c in spec.distinct} if spec.distinct else _UNUSED
+        # Value -> rows holding it (a plain dict: a Counter costs a Python-level
+        # __init__ per group, and a group is made per window of every state indexed).
+        self.counters: dict[str, dict[Any, int]] = (
+            {c: {} for c in spec.distinct} if spec.distinct else _UNUSED
         )
         self.stamps: dict[str, dict[Any, list[tuple[int, int, int, tuple[int, str]]]]] = (
             {c: {} for c in spec.stamped} if spec.stamped else _UNUSED
@@ -214,8 +215,10 @@ class _Group:
             value = values.get(column)
             if value is not None:
                 counter = self.counters[column]
-                counter[value] += sign
-                if counter[value] == 0:
+                count = counter.get(value, 0) + sign
+                if count:
+                    counter[value] = count
+                else:
                     del counter[value]
         for column in self.spec.stamped:
             value = values.get(column)
@@ -373,19 +376,25 @@ class TableIndex:
             window = windows[key]
             low, high = window.spec.interval(ref)
             a, b = window.low, window.high
-            if (low, high) == (a, b):
+            if low == a and high == b:
                 continue
             if a >= b:  # nothing was in the window: fill it
                 a = b = high
+            # Rows leave [a, b) below ``low`` and from ``high`` up, then enter [low,
+            # high) below ``a`` and from ``b`` up (each only where it is not empty).
             moved = 0
-            for start, end, sign in (
-                (a, min(b, low), -1),
-                (max(a, high), b, -1),
-                (low, min(high, a), 1),
-                (max(low, b), high, 1),
-            ):
-                if start < end:
-                    moved += self._each(start, end, rows, window, sign)
+            end = min(b, low)
+            if a < end:
+                moved += self._each(a, end, rows, window, -1)
+            start = max(a, high)
+            if start < b:
+                moved += self._each(start, b, rows, window, -1)
+            end = min(high, a)
+            if low < end:
+                moved += self._each(low, end, rows, window, 1)
+            start = max(low, b)
+            if start < high:
+                moved += self._each(start, high, rows, window, 1)
             window.low, window.high = low, high
             if moved:
                 changed.append(key)
@@ -417,17 +426,24 @@ class TableIndex:
     ) -> list[Any]:
         """The ``column`` values of the ``n`` newest rows in the window matching ``where``."""
         span = self.windows[window]
-        first = bisect_left(self.order, (span.low,))
-        index = bisect_left(self.order, (span.high,)) - 1
+        order = self.order
+        first = bisect_left(order, (span.low,))
+        index = bisect_left(order, (span.high,), first) - 1
         picked: list[Any] = []
-        while index >= first and len(picked) < n:
-            values = rows[self.order[index][4]][_VALS]
+        if n <= 0:
+            return picked
+        # Read at every time a schedule's window moves: no generator per row, and a
+        # filter looked at only where there is one.
+        while index >= first:
+            values = rows[order[index][4]][_VALS]
             index -= 1
-            if any(values.get(k) != v for k, v in where):
+            if where and any(values.get(k) != v for k, v in where):
                 continue
             value = values.get(column)
             if value is not None:
                 picked.append(value)
+                if len(picked) == n:
+                    break
         return picked
 
 

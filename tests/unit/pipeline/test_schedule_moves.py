@@ -102,3 +102,29 @@ def test_the_demo_users_schedules_equal_a_recomputation() -> None:
             plain = copy.deepcopy(dict(state))  # no index: built afresh
             base, schedule = straightforward(engine, plain, now)
             assert (got.values, got.schedule) == (base, schedule), i  # type: ignore[union-attr]
+
+
+def test_a_schedule_leaves_its_windows_at_its_last_read_time_and_the_next_moves_on() -> None:
+    """After a schedule the windows stay where its last read time put them (moving
+    them back would be undone by the next schedule, or wasted on a state evicted
+    first); the next schedule, earlier or later, after changes or not, moves them
+    from there and equals the recomputation."""
+    state: dict[str, Any] | None = None
+    for message in stream(905, 120):
+        state, _ = ENGINE.apply(state, message)
+    assert isinstance(state, EntityState)
+    now = max(int(e[2]) for rows in state["rows"].values() for e in rows.values())
+    got = ENGINE.schedule(state, now)
+    assert got == straightforward(ENGINE, state, now)
+    assert got[1] is not None and got[1].patches  # windows that move after ``now``
+    times: set[int] = set()
+    for table, windows in ENGINE._windows.items():
+        fresh = TableIndex(list(windows.values()), state["rows"].get(table, {}), now)
+        times.update(fresh.changes_after(now, ENGINE.slots + 1))
+    last = sorted(times)[ENGINE.slots - 1]  # the schedule's last read time
+    assert state.index is not None
+    assert {index.at for index in state.index.values()} == {last}
+    for step, message in enumerate(stream(906, 40)):
+        state, _ = ENGINE.apply(state, message)
+        now += (-5_000, 30, 2_000, 600_000)[step % 4]  # back, on a little, on, far on
+        assert ENGINE.schedule(state, now) == straightforward(ENGINE, state, now), step
