@@ -817,8 +817,13 @@ class EntityEngine:
             if kind is int:
                 if dtypes[name] == "int64" and -(2**63) <= value < 2**63:
                     continue
-            elif kind is float and dtypes[name] == "float64" and math.isfinite(value):
-                continue
+            elif kind is float:
+                dtype = dtypes[name]
+                if dtype == "float64":
+                    if math.isfinite(value):
+                        continue
+                elif dtype == "float32" and -_F32_MAX <= value <= _F32_MAX:  # NaN: False
+                    continue
             if not _fits(dtypes[name], value):
                 values[name] = None
         return values

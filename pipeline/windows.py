@@ -126,15 +126,27 @@ class WindowSpec:
         wall = _EPOCH + timedelta(milliseconds=local_ms)
         return round(wall.replace(tzinfo=self._zone).timestamp() * 1000)
 
-    def changes_after(self, order: Sequence[tuple[Any, ...]], after: int, n: int) -> list[int]:
+    def changes_after(
+        self,
+        order: Sequence[tuple[Any, ...]],
+        after: int,
+        n: int,
+        entering: list[int] | None = None,
+    ) -> list[int]:
         """The first ``n`` read times after ``after`` at which this window's rows (``order``,
         sorted by event time) change: a row enters at its event time, and leaves
-        ``size`` later (sliding) or when its bucket ends (tumbling)."""
+        ``size`` later (sliding) or when its bucket ends (tumbling).
+
+        Args:
+            entering: The event times of the first ``n`` rows after ``after`` (the same
+                for every window of a table: found once by the caller).
+        """
         if self.key is None:
             return []
-        times: list[int] = []
-        entering = bisect_right(order, (after, _MAX))
-        times += [key[0] for key in order[entering : entering + n]]
+        if entering is None:
+            start = bisect_right(order, (after, _MAX))
+            entering = [key[0] for key in order[start : start + n]]
+        times = list(entering)
         if self._sliding:
             first = bisect_right(order, (after - self._size, _MAX))
             times += [key[0] + self._size for key in order[first : first + n]]
@@ -359,8 +371,11 @@ class TableIndex:
         """Each window's read times after ``after`` at which its rows change: at least
         its first ``n`` (all of them up to the ``n``-th of the union, as
         :meth:`changes_after` takes them)."""
+        order = self.order
+        start = bisect_right(order, (after, _MAX))
+        entering = [key[0] for key in order[start : start + n]]
         return {
-            key: set(window.spec.changes_after(self.order, after, n))
+            key: set(window.spec.changes_after(order, after, n, entering))
             for key, window in self.windows.items()
         }
 
