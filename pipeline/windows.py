@@ -127,11 +127,7 @@ class WindowSpec:
         return round(wall.replace(tzinfo=self._zone).timestamp() * 1000)
 
     def changes_after(
-        self,
-        order: Sequence[tuple[Any, ...]],
-        after: int,
-        n: int,
-        entering: list[int] | None = None,
+        self, order: Sequence[tuple[Any, ...]], after: int, n: int, entering: list[int]
     ) -> list[int]:
         """The first ``n`` read times after ``after`` at which this window's rows (``order``,
         sorted by event time) change: a row enters at its event time, and leaves
@@ -139,13 +135,11 @@ class WindowSpec:
 
         Args:
             entering: The event times of the first ``n`` rows after ``after`` (the same
-                for every window of a table: found once by the caller).
+                for every window of a table: :meth:`TableIndex.window_changes_after`
+                finds them once).
         """
         if self.key is None:
             return []
-        if entering is None:
-            start = bisect_right(order, (after, _MAX))
-            entering = [key[0] for key in order[start : start + n]]
         times = list(entering)
         if self._sliding:
             first = bisect_right(order, (after - self._size, _MAX))
