@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from connectors.settings import TableSettings
 from edge_cache import Delete, Feature, FeatureSchema, Position, Schedule, Upsert
@@ -302,6 +302,9 @@ def _plan(
 
 
 _NO_ROWS: Mapping[str, list[Any]] = MappingProxyType({})
+
+# Where EntityEngine._aggregates_at leaves the windows it read.
+_Then = Literal["newest", "first", "last", "drop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,7 +650,7 @@ class EntityEngine:
         if not self.slots:
             aggregates = self._aggregates(state, None)
             return [values | aggregates for _ in times_ms]
-        return [values | a for a in self._aggregates_at(state, list(times_ms), stay=True)]
+        return [values | a for a in self._aggregates_at(state, list(times_ms), then="first")]
 
     def schedule(
         self, state: Mapping[str, Any], now_ms: int
@@ -666,7 +669,7 @@ class EntityEngine:
         # index built for this vector is dropped once read instead of moved back to
         # ``now_ms`` (~10% of a missed entity's vector). A state changed again while
         # still in memory builds its index once more, and keeps it from then on.
-        drop = state.index is None and state.loaded
+        then: _Then = "drop" if state.index is None and state.loaded else "last"
         state.loaded = False
         indexes = self._index(state, now_ms)
         # Each window's own change times: at a read time of the schedule, only the
@@ -685,9 +688,7 @@ class EntityEngine:
         self._checked(values)
         # The latest values are the same at every read time: the aggregates alone tell
         # whether a read time takes on a new vector.
-        read = self._aggregates_at(
-            state, [now_ms, *points[: self.slots]], moves=moves, drop=drop, leave=True
-        )
+        read = self._aggregates_at(state, [now_ms, *points[: self.slots]], moves=moves, then=then)
         base = values | read[0]
         patches: list[tuple[int, dict[str, Any]]] = []
         previous = read[0]
@@ -723,28 +724,24 @@ class EntityEngine:
         state: Mapping[str, Any],
         times: list[int],
         *,
-        stay: bool = False,
         moves: Mapping[str, Mapping[WindowKey | None, set[int]]] | None = None,
-        drop: bool = False,
-        leave: bool = False,
+        then: _Then = "newest",
     ) -> list[dict[str, Any]]:
         """The aggregates with windows read at each of ``times``: after the first, only
-        the aggregates of windows whose rows changed are read again. The windows then
-        go back to the newest event, or with ``stay`` to ``times[0]`` (the next
-        schedule starts near there: moving is cheap when little lies between), or
-        with ``leave`` stay where the last time put them.
+        the aggregates of windows whose rows changed are read again.
 
         Args:
             moves: Table -> window -> the read times after ``times[0]`` at which its
                 rows change, every one up to ``times[-1]``
                 (:meth:`TableIndex.window_changes_after`): after the first time, a
                 window moves only at its own.
-            drop: Drop the state's index afterwards instead of moving its windows
-                back (the next vector builds it again from the rows).
-            leave: Leave the windows where the last read time put them: the next
-                schedule moves them from there to its own read time in one move
-                (instead of back to ``times[0]`` now and on from there then), and a
-                state evicted before its next change never moves them back.
+            then: Where the windows go afterwards: back to the newest event
+                (``newest``); to ``times[0]`` (``first``: a later call starts near
+                there, and moving is cheap when little lies between); nowhere
+                (``last``: the next schedule moves them from the last read time to
+                its own in one move, and a state evicted before its next change
+                never moves them back); or the state's index dropped (``drop``: the
+                next vector builds it again from the rows).
         """
         indexes = self._index(state if isinstance(state, EntityState) else EntityState(state))
         all_rows = state["rows"]
@@ -774,11 +771,11 @@ class EntityEngine:
                     values.update(self._checked(self._read_aggregates(indexes, all_rows, changed)))
                     out.append(values)
         finally:
-            if drop and isinstance(state, EntityState):
+            if then == "drop" and isinstance(state, EntityState):
                 state.index = None
-            elif not leave:
+            elif then != "last":
                 for table, index in indexes.items():
-                    if stay and out:
+                    if then == "first" and out:
                         index.view(times[0], all_rows.get(table, {}))
                     else:
                         index.restore(all_rows.get(table, {}))
