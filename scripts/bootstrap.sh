@@ -24,6 +24,8 @@ command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-aler
 # Headless Chromium renders the exporter's status page in its test (and makes the
 # screenshots in docs/operations.md); without recommends it brings no font, hence DejaVu.
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium fonts-dejavu-core)
+# benchmarks/instructions.py counts the worker's instructions under callgrind.
+command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "bootstrap: installing system packages: ${need_apt[*]}"
   SUDO=""
