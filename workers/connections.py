@@ -11,7 +11,11 @@ each connection's protocol in :class:`_GuardedProtocol`:
   closed (an idle keep-alive connection, which sends nothing, is left to
   aiohttp's own ``keepalive_timeout``);
 * past ``max_connections`` open connections a new one is answered ``503``
-  with ``Retry-After`` and closed at once.
+  with ``Retry-After`` and closed at once;
+* beside the other processes of one supervisor (``SO_REUSEPORT``), a process
+  holding more than its share of the port's keep-alive connections closes
+  the surplus one at a time, each after the answer it was carrying
+  (``Connection: close``): see :class:`ConnectionGuard`'s ``over_share``.
 
 The request body has its own deadline, enforced by the server around
 ``request.read()`` (``ServerConfig.body_timeout_s``).
@@ -55,6 +59,17 @@ class ConnectionGuard:
         on_refused: Called when a connection is refused (over the cap).
         on_timeout: Called when a connection is closed for slow headers.
         on_open_change: Called with the number of open connections.
+        over_share: Given this process's open connections less those already being
+            closed, whether it holds more than its share of the port's (None: one
+            process, nothing to share). Linux spreads new connections over the
+            processes of one port by a hash of their addresses, never again once
+            open: 64 keep-alive connections over 2 processes came out 27/37 to
+            32/32, and the fuller process answers its clients later (its queue is
+            longer) for as long as they stay connected. While this says so, each
+            answer closes its connection after it is sent (``Connection: close``),
+            one connection per surplus at a time; the client connects again and
+            lands anywhere, so the split converges on even.
+        on_shed: Called for every connection closed that way.
     """
 
     def __init__(
@@ -65,13 +80,18 @@ class ConnectionGuard:
         on_refused: Callable[[], None] = lambda: None,
         on_timeout: Callable[[], None] = lambda: None,
         on_open_change: Callable[[int], None] = lambda _open: None,
+        over_share: Callable[[int], bool] | None = None,
+        on_shed: Callable[[], None] = lambda: None,
     ) -> None:
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
         self.open = 0
+        self.shedding = 0  # connections told to close after their answer, still open
         self._on_refused = on_refused
         self._on_timeout = on_timeout
         self._on_open_change = on_open_change
+        self._over_share = over_share
+        self._on_shed = on_shed
         self._by_handler: dict[RequestHandler, _GuardedProtocol] = {}
 
     def protocol(self, inner: RequestHandler) -> _GuardedProtocol:
@@ -104,9 +124,24 @@ class ConnectionGuard:
         self.request_started(request)
         try:
             response: web.StreamResponse = await handler(request)
+            if self._over_share is not None and not response.prepared:
+                self._shed(request, response)
             return response
         finally:
             self.request_finished(request)
+
+    def _shed(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """Close ``request``'s connection after ``response`` if this process holds more
+        than its share of the port's connections (less those already closing)."""
+        guarded = self._by_handler.get(request.protocol)
+        if guarded is None or guarded.shed or not request.keep_alive:
+            return
+        assert self._over_share is not None
+        if self._over_share(self.open - self.shedding):
+            guarded.shed = True
+            self.shedding += 1
+            response.force_close()
+            self._on_shed()
 
 
 class _GuardedProtocol(asyncio.Protocol):
@@ -118,6 +153,7 @@ class _GuardedProtocol(asyncio.Protocol):
         self.busy = False
         self.began: float | None = None
         self.refused = False
+        self.shed = False  # told to close after its current answer (ConnectionGuard)
         self.transport: asyncio.Transport | None = None
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -190,6 +226,8 @@ class _GuardedProtocol(asyncio.Protocol):
         self.disarm()
         self.guard._by_handler.pop(self.inner, None)
         self.guard.open -= 1
+        if self.shed:
+            self.guard.shedding -= 1
         self.guard._on_open_change(self.guard.open)
         self.inner.connection_lost(exc)
 

@@ -66,6 +66,7 @@ class WorkerMetrics:
     slow_clients: Counter = field(init=False)
     connections: Gauge = field(init=False)
     connections_refused: Counter = field(init=False)
+    connections_balanced: Counter = field(init=False)
     unauthorized: Counter = field(init=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +161,13 @@ class WorkerMetrics:
         self.connections_refused = Counter(
             "edgefeed_worker_connections_refused",
             "Connections refused (503) because max_connections were open",
+            ["region"],
+            registry=self.registry,
+        )
+        self.connections_balanced = Counter(
+            "edgefeed_worker_connections_balanced",
+            "Keep-alive connections closed after their answer because this process "
+            "held more than its share of the port's (--processes > 1)",
             ["region"],
             registry=self.registry,
         )

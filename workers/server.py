@@ -130,6 +130,10 @@ class ServerConfig:
             connection is answered 503 with ``Retry-After`` and closed.
         keepalive_timeout_s: How long an idle keep-alive connection stays open
             between requests (aiohttp's own default is an hour).
+        balance_connections: As one child of a supervisor (``cluster``), close
+            the keep-alive connections this process holds beyond its share of the
+            port's, one at a time after their answers, so that their clients
+            connect again and spread evenly (:class:`ConnectionGuard`).
         gc_freeze: After warm-up, move every object alive then (torch, the
             models, the libraries: ~200,000 objects) out of the garbage
             collector's reach (``gc.freeze()``). A full collection scanning them
@@ -155,6 +159,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     max_connections: int = 1000
     keepalive_timeout_s: float = 15.0
+    balance_connections: bool = True
     gc_freeze: bool = True
     auth_token: SecretStr | None = field(default=None, repr=False)
     auth_protect_probes: bool = False
@@ -291,12 +296,25 @@ class InferenceServer:
             else WorkerMetrics(self.config.region, registry)
         )
         region = self.config.region
+        open_gauge = self.metrics.connections.labels(region)
+        shared = cluster
+
+        def on_open_change(count: int) -> None:
+            open_gauge.set(count)
+            if shared is not None:  # every child sees it (Cluster.over_share)
+                shared.set_connections(count)
+
+        over_share = None
+        if cluster is not None and self.config.balance_connections:
+            over_share = cluster.over_share
         self._guard = ConnectionGuard(
             header_timeout_s=self.config.header_timeout_s,
             max_connections=self.config.max_connections,
             on_refused=self.metrics.connections_refused.labels(region).inc,
             on_timeout=self.metrics.slow_clients.labels(region, "header").inc,
-            on_open_change=self.metrics.connections.labels(region).set,
+            on_open_change=on_open_change,
+            over_share=over_share,
+            on_shed=self.metrics.connections_balanced.labels(region).inc,
         )
         self._auth = (
             None

@@ -65,6 +65,7 @@ class WorkerSettings(BaseSettings):
     body_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=1000, ge=1)
     keepalive_timeout_s: float = Field(default=15.0, gt=0)
+    balance_connections: bool = True
     inline_forward_ms: float = Field(default=1.0, ge=0)
     gc_freeze: bool = True
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
@@ -180,6 +181,7 @@ class WorkerSettings(BaseSettings):
             body_timeout_s=self.body_timeout_s,
             max_connections=self.max_connections,
             keepalive_timeout_s=self.keepalive_timeout_s,
+            balance_connections=self.balance_connections,
             gc_freeze=self.gc_freeze,
             auth_token=self.token(),
             auth_protect_probes=self.auth_protect_probes,

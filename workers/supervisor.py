@@ -19,7 +19,13 @@ acceptor process sits in the path. The supervisor itself serves nothing:
   write their series, and marks each dead child's gauges dead, so that a scrape
   of any child sees one worker whose counters are the sum over children;
 * it shares one byte per child (starting, ready) with every child, so that each
-  child's ``/readyz`` answers for all of them (:class:`Cluster`).
+  child's ``/readyz`` answers for all of them (:class:`Cluster`), and each
+  child's count of open connections, so that a child holding more than its
+  share of the port's keep-alive connections closes the surplus after their
+  answers and their clients connect again, anywhere (Linux spreads
+  connections by a hash of their addresses when they open, never after: a
+  pool of 64 came out as uneven as 27/37 over 2 children, and a child
+  restarted after a crash got none of the connections its predecessor had).
 
 Platforms without ``SO_REUSEPORT`` load balancing (macOS and the BSDs give every
 connection to one socket, Windows has none) are refused more than one process:
@@ -130,6 +136,7 @@ class ChildSlot:
         port: The port to bind, with ``SO_REUSEPORT``.
         states: One byte per child, shared: 1 when that child is ready.
         errors: Where a child that cannot start says why (index, bad input?, message).
+        connections: One int per child, shared: the connections it holds open.
     """
 
     index: int
@@ -137,6 +144,7 @@ class ChildSlot:
     port: int
     states: Any = field(repr=False)
     errors: Any = field(repr=False)
+    connections: Any = field(default=None, repr=False)
 
     def report(self, exc: BaseException) -> None:
         """Tell the supervisor why this child cannot start."""
@@ -173,6 +181,30 @@ class Cluster:
     def all_ready(self) -> bool:
         """True when every child is ready."""
         return self.ready_count() == self._slot.processes
+
+    def set_connections(self, count: int) -> None:
+        """Record the connections this child holds open, for every child to see."""
+        if self._slot.connections is not None:
+            self._slot.connections[self._slot.index] = count
+
+    def over_share(self, count: int) -> bool:
+        """Whether this child, holding ``count`` connections (less those it is already
+        closing), holds more than its share of the ready children's connections
+        (their total divided by their number, rounded up). False while fewer than
+        two children are ready: there is nowhere else to go."""
+        connections = self._slot.connections
+        if connections is None:
+            return False
+        states = self._slot.states
+        ready = 0
+        total = 0
+        for index, state in enumerate(states):
+            if state == _READY:
+                ready += 1
+                total += connections[index]
+        if ready < 2 or states[self._slot.index] != _READY:
+            return False
+        return count > -(-total // ready)
 
 
 ChildTarget = Callable[[ChildSlot], int]
@@ -265,6 +297,7 @@ class Supervisor:
         self._mp = multiprocessing.get_context("spawn")
         self._children = [_Child() for _ in range(processes)]
         self._states: Any = None
+        self._connections: Any = None
         self._errors: Any = None
         self._stop = threading.Event()
         self.metrics_dir: Path | None = None
@@ -297,7 +330,10 @@ class Supervisor:
     def _spawn(self, index: int) -> None:
         child = self._children[index]
         self._states[index] = _STARTING
-        slot = ChildSlot(index, self.processes, self.port, self._states, self._errors)
+        self._connections[index] = 0
+        slot = ChildSlot(
+            index, self.processes, self.port, self._states, self._errors, self._connections
+        )
         process = self._mp.Process(
             target=_child_main,
             args=(self.target, slot, os.getpid()),
@@ -317,6 +353,7 @@ class Supervisor:
         process.close()
         child.process = None
         self._states[index] = _STARTING
+        self._connections[index] = 0  # its connections died with it
         if self.metrics_dir is not None:
             multiprocess.mark_process_dead(pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
         if self._stop.is_set():
@@ -394,6 +431,7 @@ class Supervisor:
         # Children inherit it at spawn: prometheus_client reads it when imported.
         os.environ[MULTIPROC_ENV] = str(self.metrics_dir)
         self._states = self._mp.RawArray("b", self.processes)
+        self._connections = self._mp.RawArray("i", self.processes)
         self._errors = self._mp.SimpleQueue()
         handlers = self._install_signals()
         announced = False

@@ -121,6 +121,7 @@ class _Load:
         while not self.stop.is_set():
             if connection is None:
                 connection = http.client.HTTPConnection(host, port, timeout=30)
+            if connection.sock is None:  # new, or closed by the server after an answer
                 connection.connect()
             local = connection.sock.getsockname()[1]
             try:
@@ -193,6 +194,56 @@ def test_a_killed_child_is_replaced_and_costs_only_its_requests_in_flight() -> N
         assert all(count == 1 for count in failures.values()), failures
         assert load.ok >= 400
         assert set(load.statuses) <= {0, 200}, load.statuses
+
+
+def test_keep_alive_connections_spread_evenly_and_reach_a_replaced_child() -> None:
+    # Linux hashes each new connection to one child's socket and never moves it: a
+    # pool of keep-alive clients stays as uneven as it came out, and a child
+    # restarted after a crash would get none of its predecessor's. The children
+    # shed their surplus after answers instead; the clients connect again.
+    with worker_process("--model", MODEL, "--processes", "2") as worker:
+        _, port = worker.host_port
+        load = _Load(worker, _body(worker), clients=16)
+        load.start()
+        try:
+
+            def even() -> bool:
+                held = [len(_peer_ports(pid, port)) for pid in _pids_of(worker)]
+                return sorted(held) == [8, 8]
+
+            poll(even, "16 keep-alive connections held 8 and 8 by the two children", 60)
+            victim = min(_pids_of(worker))
+            on_victim = _peer_ports(victim, port)
+            os.kill(victim, signal.SIGKILL)
+
+            def replaced_and_even() -> bool:
+                pids = _pids_of(worker)
+                if len(pids) != 2 or victim in pids:
+                    return False
+                return sorted(len(_peer_ports(pid, port)) for pid in pids) == [8, 8]
+
+            poll(replaced_and_even, "the new child holding its 8 of 16 connections", 120)
+        finally:
+            load.finish()
+        assert worker.metric("edgefeed_worker_connections_balanced_total") > 0
+        # Shedding costs no request: the only failures were in flight on the killed child.
+        failures = Counter(load.failed_ports)
+        assert set(failures) <= on_victim, (failures, on_victim, load.statuses)
+        assert all(count == 1 for count in failures.values()), failures
+        assert set(load.statuses) <= {0, 200}, load.statuses
+
+
+def test_without_balancing_the_children_keep_the_connections_they_got() -> None:
+    env = {"EDGEFEED_WORKERS_BALANCE_CONNECTIONS": "false"}
+    with worker_process("--model", MODEL, "--processes", "2", env=env) as worker:
+        load = _Load(worker, _body(worker), clients=16)
+        load.start()
+        try:
+            poll(lambda: load.done() >= 300, "300 requests served")
+        finally:
+            load.finish()
+        assert worker.metric("edgefeed_worker_connections_balanced_total") == 0
+        assert load.failed_ports == [], load.statuses
 
 
 def _requests_metric(worker: WorkerProcess) -> float:
