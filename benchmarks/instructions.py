@@ -148,18 +148,13 @@ print("digest", digest.hexdigest())
 
 
 def _load_parts() -> None:
-    """benchmarks/scalebench loaded by path, as benchmarks/scale.py loads it."""
+    """benchmarks/scalebench, loaded as benchmarks/scale.py loads it (by running that
+    script's module, which registers its parts)."""
     if "scalebench" in sys.modules:
         return
-    spec = importlib.util.spec_from_file_location(
-        "scalebench",
-        _HERE / "scalebench" / "__init__.py",
-        submodule_search_locations=[str(_HERE / "scalebench")],
-    )
+    spec = importlib.util.spec_from_file_location("edgefeed_bench_scale", _HERE / "scale.py")
     assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scalebench"] = module
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def build_store(folder: Path, users: int) -> dict[str, Any]:
