@@ -38,7 +38,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ from aiokafka.partitioner import DefaultPartitioner  # noqa: E402
 from connectors import deploy  # noqa: E402
 from connectors.client import ConnectClient  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.devstack.ports import free_port  # noqa: E402
 from edgefeed.devstack.process import read_pid  # noqa: E402
 from edgefeed.pipeline_config import pipeline_config  # noqa: E402
 from edgefeed.settings import EdgefeedSettings, load_settings, settings_from_mapping  # noqa: E402
@@ -73,17 +73,6 @@ from pipeline.topics import ensure_topics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EDGEFEED = str(Path(sys.executable).with_name("edgefeed"))
-
-
-def free_port() -> int:
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 def make_settings(partitions: int, tag: str) -> dict[str, Any]:

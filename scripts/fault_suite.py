@@ -23,10 +23,8 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -50,6 +48,7 @@ from connectors.client import ConnectClient  # noqa: E402
 from connectors.database import drop_slot  # noqa: E402
 from edge_cache import KeyLayout  # noqa: E402
 from edgefeed.devstack import DevStack  # noqa: E402
+from edgefeed.devstack.ports import free_port  # noqa: E402
 from edgefeed.devstack.process import (  # noqa: E402
     port_in_use,
     read_pid,
@@ -73,17 +72,6 @@ STEADY = {
     "dead-letter topics unavailable 6 s",
 }
 COUNTS = ("views_30m", "clicks_30m", "carts_1h", "purchases_today", "views_1h", "purchases_1h")
-
-
-def free_port() -> int:
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 def make_settings() -> dict[str, Any]:
