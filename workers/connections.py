@@ -125,19 +125,23 @@ class ConnectionGuard:
         try:
             response: web.StreamResponse = await handler(request)
             if self._over_share is not None and not response.prepared:
-                self._shed(request, response)
+                self._shed(request, response, self._over_share)
             return response
         finally:
             self.request_finished(request)
 
-    def _shed(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+    def _shed(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse,
+        over_share: Callable[[int], bool],
+    ) -> None:
         """Close ``request``'s connection after ``response`` if this process holds more
         than its share of the port's connections (less those already closing)."""
         guarded = self._by_handler.get(request.protocol)
         if guarded is None or guarded.shed or not request.keep_alive:
             return
-        assert self._over_share is not None
-        if self._over_share(self.open - self.shedding):
+        if over_share(self.open - self.shedding):
             guarded.shed = True
             self.shedding += 1
             response.force_close()

@@ -297,12 +297,11 @@ class InferenceServer:
         )
         region = self.config.region
         open_gauge = self.metrics.connections.labels(region)
-        shared = cluster
 
         def on_open_change(count: int) -> None:
             open_gauge.set(count)
-            if shared is not None:  # every child sees it (Cluster.over_share)
-                shared.set_connections(count)
+            if cluster is not None:  # every child sees it (Cluster.over_share)
+                cluster.set_connections(count)
 
         over_share = None
         if cluster is not None and self.config.balance_connections:
